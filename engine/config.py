@@ -1,0 +1,52 @@
+"""Engine configuration and per-request sampling parameters: frozen, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+Device = Literal["auto", "cpu", "cuda"]
+DType = Literal["bfloat16", "float32"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: Path
+    device: Device = "auto"
+    dtype: DType = "bfloat16"
+    dynamic_batching: bool = False  # False: one request at a time (the article's "static batch=1")
+    max_batch_size: int = 8
+    batch_window_ms: float = 150.0  # how long the first waiting request may wait for others to join
+    kv_compression: bool = False  # accepted and reported; the compressed cache is not implemented yet
+    num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's default
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.batch_window_ms < 0:
+            raise ValueError(f"batch_window_ms must be >= 0, got {self.batch_window_ms}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+
+    @property
+    def effective_batch_size(self) -> int:
+        return self.max_batch_size if self.dynamic_batching else 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 512
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False  # benchmarks generate a fixed number of tokens
+    json_schema: str | None = None  # constrain the output to JSON valid under this schema (xgrammar)
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")

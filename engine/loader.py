@@ -1,0 +1,86 @@
+"""Loads a local Hugging Face causal LM folder onto the chosen device and dtype.
+
+Owns device/dtype selection and the clear errors a user sees for a missing or wrong model path.
+Knows nothing of where the folder came from (see `engine.weights` for the default model).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import Device, DType
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+_WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+
+
+class ModelLoadError(RuntimeError):
+    """The model folder is missing, incomplete or not a causal language model."""
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: Any  # transformers.PreTrainedModel (untyped library)
+    tokenizer: Any  # transformers.PreTrainedTokenizerBase
+    model_id: str
+    device: torch.device
+    dtype: torch.dtype
+
+
+def select_device(device: Device) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("DEVICE=cuda was requested but no CUDA device is available")
+    return torch.device(device)
+
+
+def check_model_folder(path: Path) -> dict[str, Any]:
+    """The folder's config.json, after checking the folder looks like a causal LM checkpoint."""
+    if not path.exists():
+        raise ModelLoadError(f"model path {path} does not exist")
+    if not path.is_dir():
+        raise ModelLoadError(f"model path {path} is not a folder (a Hugging Face model folder is expected)")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"{path} is not a Hugging Face model folder: config.json is missing")
+    try:
+        config: dict[str, Any] = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{config_file} is not readable JSON: {exc}") from exc
+    architectures = config.get("architectures") or []
+    if not any(str(a).endswith("ForCausalLM") for a in architectures):
+        raise ModelLoadError(
+            f"{path} is not a causal language model (architectures: {architectures or 'none'})"
+        )
+    if not any(next(path.glob(p), None) for p in _WEIGHT_PATTERNS):
+        raise ModelLoadError(f"{path} has no weights (*.safetensors or *.bin)")
+    return config
+
+
+def load_model(path: Path, device: Device = "auto", dtype: DType = "bfloat16") -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    check_model_folder(path)
+    target = select_device(device)
+    torch_dtype = _DTYPES[dtype]
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"could not load the model in {path}: {exc}") from exc
+    model.to(target)
+    model.eval()
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model_id = str(getattr(model.config, "_name_or_path", "") or path.name)
+    log.info("loaded model %s on %s in %s", path.name, target, dtype)
+    return LoadedModel(model, tokenizer, model_id=Path(model_id).name, device=target, dtype=torch_dtype)

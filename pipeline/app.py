@@ -1,0 +1,80 @@
+"""Wires one worker together: settings -> model -> engine -> service + status server.
+
+Used by `deepanalyze run` and the demo; tests wire the pieces themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+from engine import Engine, EngineConfig
+from engine.weights import is_prepared, prepare_default_model
+from pipeline.http import serve_status
+from pipeline.service import Service
+from pipeline.settings import Settings
+from pipeline.telemetry import Telemetry, setup_telemetry
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _progress_bar() -> Iterator[Callable[[int, int], None]]:
+    columns = (TextColumn("reassembling + verifying the default model"), BarColumn(), DownloadColumn())
+    with Progress(*columns, TimeRemainingColumn(), transient=False) as progress:
+        task = progress.add_task("model", total=None)
+
+        def update(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
+
+        yield update
+
+
+def resolve_model_path(settings: Settings) -> Path:
+    """MODEL_PATH, or the default model (converted on first use, with a progress bar)."""
+    if settings.model_path is not None:
+        return settings.model_path
+    from engine.weights import DEFAULT_MODEL_NAME
+
+    folder = settings.model_cache_dir / "models" / f"{DEFAULT_MODEL_NAME}-bf16"
+    if is_prepared(folder):
+        return folder
+    with _progress_bar() as progress:
+        return prepare_default_model(settings.model_cache_dir, progress)
+
+
+def engine_config(settings: Settings, model_path: Path) -> EngineConfig:
+    return EngineConfig(
+        model_path=model_path,
+        device=settings.device,
+        dtype=settings.dtype,
+        dynamic_batching=settings.dynamic_batching,
+        max_batch_size=settings.max_batch_size,
+        batch_window_ms=settings.dynamic_batch_window_ms,
+        kv_compression=settings.kv_compression,
+    )
+
+
+async def serve(
+    settings: Settings,
+    stop: asyncio.Event,
+    *,
+    telemetry: Telemetry | None = None,
+    on_ready: Callable[[Service, int], None] | None = None,
+) -> None:
+    """Runs one worker until `stop` is set."""
+    telemetry = telemetry or setup_telemetry(settings)
+    config = engine_config(settings, resolve_model_path(settings))
+    engine = await asyncio.to_thread(Engine.from_config, config)
+    async with engine:
+        service = Service(settings, engine, telemetry)
+        async with serve_status(service.status, settings.status_host, settings.status_port) as port:
+            log.info("status on http://%s:%d/api/status", settings.status_host, port)
+            if on_ready is not None:
+                on_ready(service, port)
+            await service.run(stop)

@@ -1,0 +1,144 @@
+"""`deepanalyze`: broker, run, publish, tail, prepare-model, demo."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from engine import EngineError, ModelLoadError
+from pipeline.settings import Settings, SettingsError, load_settings
+from schemas import AnalysisEvent, DocumentKind
+
+log = logging.getLogger("deepanalyze")
+
+
+def _stop_on_signals(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+
+async def _run(settings: Settings) -> None:
+    from pipeline.app import serve
+
+    stop = asyncio.Event()
+    _stop_on_signals(stop)
+    await serve(settings, stop)
+
+
+async def _broker(port: int) -> None:
+    from pipeline.broker import embedded_broker
+
+    stop = asyncio.Event()
+    _stop_on_signals(stop)
+    with embedded_broker(port=port) as broker:
+        Console(stderr=True).print(
+            f"embedded broker on {broker.bootstrap_servers} (in memory; Ctrl-C stops it)"
+        )
+        await stop.wait()
+
+
+async def _publish(settings: Settings, paths: list[Path], kind: DocumentKind | None) -> None:
+    from pipeline.client import load_documents, publish_documents
+    from schemas import DocumentEvent
+
+    if paths == [Path("-")]:
+        documents = [DocumentEvent(kind=kind, text=sys.stdin.read())]
+    else:
+        documents = load_documents(paths, kind)
+    for sent in await publish_documents(settings, documents):
+        print(f"{sent.document_id}\t{sent.topic}[{sent.partition}]@{sent.offset}\tevent_id={sent.event_id}")
+
+
+async def _tail(settings: Settings, count: int | None, timeout_s: float, as_json: bool) -> None:
+    from pipeline.client import collect_answers, dump_answer
+    from pipeline.report import render_dead_letter, render_event
+
+    console = Console()
+    answers = await collect_answers(settings, None, timeout_s, count=count)
+    for found in answers.values():
+        for answer in found:
+            if as_json:
+                print(dump_answer(answer))
+            elif isinstance(answer, AnalysisEvent):
+                console.print(render_event(answer))
+            else:
+                console.print(render_dead_letter(answer))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="deepanalyze", description="A private text analyst on a message bus."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser(
+        "run", help="run a worker: consume documents, publish analyses (configured by the environment)"
+    )
+    broker = sub.add_parser("broker", help="run the embedded Kafka-protocol broker (in memory) on 127.0.0.1")
+    broker.add_argument("--port", type=int, default=9092)
+    publish = sub.add_parser("publish", help="publish files, folders or stdin (-) as documents")
+    publish.add_argument("paths", nargs="+", type=Path)
+    publish.add_argument(
+        "--kind", choices=[k.value for k in DocumentKind], help="override the documents' kind"
+    )
+    tail = sub.add_parser("tail", help="print analysis events and dead letters, from the beginning")
+    tail.add_argument("--count", type=int, default=None, help="stop after this many")
+    tail.add_argument("--timeout", type=float, default=10.0, help="stop after this many seconds")
+    tail.add_argument("--json", action="store_true", help="print raw JSON")
+    sub.add_parser("prepare-model", help="reassemble, verify and convert the default model (cached)")
+    demo = sub.add_parser("demo", help="embedded broker + default model + the bundled samples, end to end")
+    demo.add_argument("--timeout", type=float, default=900.0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    console = Console(stderr=True)
+    try:
+        settings = load_settings()
+    except SettingsError as exc:
+        console.print(f"[red]{exc}[/red]")
+        return 2
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "run":
+            asyncio.run(_run(settings))
+        elif args.command == "broker":
+            asyncio.run(_broker(args.port))
+        elif args.command == "publish":
+            asyncio.run(_publish(settings, args.paths, DocumentKind(args.kind) if args.kind else None))
+        elif args.command == "tail":
+            asyncio.run(_tail(settings, args.count, args.timeout, args.json))
+        elif args.command == "prepare-model":
+            from pipeline.app import resolve_model_path
+
+            print(resolve_model_path(settings))
+        elif args.command == "demo":
+            from pipeline.demo import run_demo
+
+            return asyncio.run(run_demo(Console(), args.timeout))
+    except (ModelLoadError, EngineError) as exc:
+        console.print(f"[red]model error:[/red] {exc}")
+        return 3
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        from aiokafka.errors import KafkaError
+
+        if isinstance(exc, KafkaError | OSError):
+            console.print(f"[red]Kafka error ({settings.kafka_bootstrap_servers}):[/red] {exc}")
+            return 4
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())

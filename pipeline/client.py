@@ -1,0 +1,146 @@
+"""The user's side of the bus: publish documents, collect their answers by event id.
+
+Used by `deepanalyze publish` / `tail`, the demo and the tests. Answers are matched to what was
+sent through the event id, which is derived from the coordinates the broker acknowledged.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiokafka import AIOKafkaConsumer
+from aiokafka.structs import TopicPartition
+from pydantic import ValidationError
+
+from pipeline.codec import encode_document
+from pipeline.kafka import make_consumer, make_producer
+from pipeline.settings import Settings
+from schemas import AnalysisEvent, DeadLetter, DocumentEvent, DocumentKind, event_id_for
+
+Answer = AnalysisEvent | DeadLetter
+
+
+@dataclass(frozen=True)
+class Sent:
+    document_id: str
+    topic: str
+    partition: int
+    offset: int
+
+    @property
+    def event_id(self) -> str:
+        return event_id_for(self.topic, self.partition, self.offset)
+
+
+def load_documents(paths: Iterable[Path], kind: DocumentKind | None = None) -> list[DocumentEvent]:
+    """`*.json` files as DocumentEvents, anything else as plain text (id = file name); folders expand."""
+    documents = []
+    for path in paths:
+        if path.is_dir():
+            documents += load_documents(sorted(p for p in path.iterdir() if p.is_file()), kind)
+            continue
+        if path.suffix == ".json":
+            event = DocumentEvent.model_validate_json(path.read_bytes())
+            documents.append(event.model_copy(update={"kind": kind}) if kind else event)
+        else:
+            text = path.read_text(encoding="utf-8")
+            documents.append(DocumentEvent(document_id=path.stem, kind=kind, text=text))
+    return documents
+
+
+async def publish_documents(settings: Settings, documents: Iterable[DocumentEvent]) -> list[Sent]:
+    producer = make_producer(settings)
+    await producer.start()
+    try:
+        sent = []
+        for document in documents:
+            topic = settings.topic_for(document.kind or DocumentKind.COMPLAINT)
+            value, headers = encode_document(document)
+            key = (document.document_id or "").encode("utf-8") or None
+            meta = await producer.send_and_wait(topic, value, key=key, headers=headers)
+            sent.append(
+                Sent(
+                    document.document_id or f"{topic}/{meta.partition}/{meta.offset}",
+                    topic,
+                    meta.partition,
+                    meta.offset,
+                )
+            )
+        return sent
+    finally:
+        await producer.stop()
+
+
+async def publish_raw(
+    settings: Settings,
+    topic: str,
+    value: bytes | None,
+    key: bytes | None = None,
+    headers: list[tuple[str, bytes]] | None = None,
+) -> Sent:
+    producer = make_producer(settings)
+    await producer.start()
+    try:
+        meta = await producer.send_and_wait(topic, value, key=key, headers=headers or [])
+        return Sent(key.decode(errors="replace") if key else "", topic, meta.partition, meta.offset)
+    finally:
+        await producer.stop()
+
+
+def parse_answer(topic: str, value: bytes, settings: Settings) -> Answer | None:
+    try:
+        if topic == settings.topic_analysis:
+            return AnalysisEvent.model_validate_json(value)
+        return DeadLetter.model_validate_json(value)
+    except ValidationError:
+        return None
+
+
+async def collect_answers(
+    settings: Settings, expected: set[str] | None, timeout_s: float, *, count: int | None = None
+) -> dict[str, list[Answer]]:
+    """Reads both answer topics from the beginning until every expected event id has an answer
+    (or `count` answers arrived), or the timeout passes. Keeps duplicates, keyed by event id."""
+    topics = [settings.topic_analysis, settings.topic_dead_letters]
+    # No group: read everything from the beginning (the embedded broker cannot seek to the end).
+    consumer = make_consumer(settings, group_id=None)
+    await consumer.start()
+    answers: dict[str, list[Answer]] = {}
+    try:
+        partitions = []
+        for topic in topics:
+            for p in sorted(await _partitions_for(consumer, topic)):
+                partitions.append(TopicPartition(topic, p))
+        consumer.assign(partitions)
+        await consumer.seek_to_beginning(*partitions)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            batch = await consumer.getmany(timeout_ms=200)
+            for tp, records in batch.items():
+                for record in records:
+                    answer = parse_answer(tp.topic, record.value, settings)
+                    if answer is not None:
+                        answers.setdefault(answer.event_id, []).append(answer)
+            if expected is not None and expected <= answers.keys():
+                break
+            if count is not None and sum(map(len, answers.values())) >= count:
+                break
+        return answers
+    finally:
+        await consumer.stop()
+
+
+async def _partitions_for(consumer: AIOKafkaConsumer, topic: str) -> set[int]:
+    await consumer.topics()  # refreshes the cluster metadata
+    parts = consumer.partitions_for_topic(topic)
+    if not parts:
+        raise LookupError(f"topic {topic} has no partitions (does it exist?)")
+    return set(parts)
+
+
+def dump_answer(answer: Answer) -> str:
+    return json.dumps(answer.model_dump(mode="json"), ensure_ascii=False, indent=2)

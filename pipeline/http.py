@@ -1,0 +1,60 @@
+"""The status server: `GET /api/status` (JSON) and `GET /healthz`.
+
+Binds to 127.0.0.1 unless configured. Runs inside the service's event loop; leaves signal
+handling to the service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Generator
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+
+StatusSource = Callable[[], dict[str, Any]]
+
+
+def create_app(status: StatusSource) -> FastAPI:
+    app = FastAPI(title="DeepAnalyze", version="0.1.0")
+
+    @app.get("/api/status")
+    async def api_status() -> dict[str, Any]:
+        return status()
+
+    @app.get("/healthz")
+    async def healthz() -> JSONResponse:
+        ready = status().get("status") == "ready"
+        return JSONResponse({"status": "ok" if ready else "starting"}, status_code=200 if ready else 503)
+
+    return app
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        # The service owns SIGINT/SIGTERM and stops this server itself.
+        yield
+
+
+@contextlib.asynccontextmanager
+async def serve_status(status: StatusSource, host: str, port: int) -> AsyncIterator[int]:
+    """Serves the status app for the body of the block; yields the bound port (port 0: any free)."""
+    config = uvicorn.Config(create_app(status), host=host, port=port, log_level="warning", lifespan="off")
+    server = _Server(config)
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():  # uvicorn exits on a bind error instead of raising it
+            raise RuntimeError(
+                f"the status server could not listen on {host}:{port} (is STATUS_PORT in use?)"
+            )
+        await asyncio.sleep(0.02)
+    bound = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield int(bound)
+    finally:
+        server.should_exit = True
+        await task

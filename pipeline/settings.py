@@ -1,0 +1,113 @@
+"""The service's configuration: read once from the environment, validated, never written back.
+
+Every knob is an environment variable named after its field in upper case (`MAX_BATCH_SIZE`,
+`KAFKA_BOOTSTRAP_SERVERS`, ...). Invalid values stop the service at start with a message that
+names the variable.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from schemas import DocumentKind
+
+
+class SettingsError(ValueError):
+    """The environment holds an invalid value; the message names the variable."""
+
+
+def default_cache_dir() -> Path:
+    return Path.home() / ".cache" / "deepanalyze"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="", case_sensitive=False, extra="ignore", frozen=True)
+
+    # Kafka
+    kafka_bootstrap_servers: str = "127.0.0.1:9092"
+    kafka_client_id: str = "deepanalyze"
+    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    kafka_sasl_username: str | None = None
+    kafka_sasl_password: SecretStr | None = None
+    kafka_ssl_cafile: Path | None = None
+    topic_complaints: str = "docs.complaints"
+    topic_meeting_notes: str = "docs.meeting-notes"
+    topic_filings: str = "docs.filings"
+    topic_analysis: str = "analysis.events"
+    topic_dead_letters: str = "analysis.dlq"
+    topic_partitions: int = Field(default=3, ge=1, le=1024)
+    topic_replication_factor: int = Field(default=1, ge=1, le=16)
+    consumer_group: str = "deepanalyze"
+    session_timeout_ms: int = Field(default=10_000, ge=1_000)
+    max_poll_records: int = Field(default=64, ge=1)
+    max_inflight: int = Field(default=32, ge=1, description="Documents consumed but not yet answered.")
+    commit_interval_ms: int = Field(default=1_000, ge=50)
+
+    # Model and engine: the article's three switches, plus where the model lives.
+    model_path: Path | None = None  # None: the bundled default model, converted once into the cache
+    model_cache_dir: Path = Field(default_factory=default_cache_dir)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    dynamic_batching: bool = False
+    kv_compression: bool = False
+    max_batch_size: int = Field(default=8, ge=1, le=256)
+    dynamic_batch_window_ms: float = Field(default=150.0, ge=0, le=10_000)
+    max_new_tokens: int = Field(default=512, ge=16, le=8192)
+    max_document_chars: int = Field(default=8_000, ge=1)
+    generation_attempts: int = Field(default=2, ge=1, le=5, description="1 + the repair attempt.")
+
+    # Status server
+    status_host: str = "127.0.0.1"
+    status_port: int = Field(default=3000, ge=0, le=65535)
+
+    # Telemetry (OTEL_EXPORTER_OTLP_ENDPOINT is read by the OpenTelemetry exporter itself)
+    otel_service_name: str = "deepanalyze"
+    otel_exporter_otlp_endpoint: str | None = None
+
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    @field_validator("kafka_bootstrap_servers")
+    @classmethod
+    def _servers_not_empty(cls, value: str) -> str:
+        servers = [s.strip() for s in value.split(",") if s.strip()]
+        if not servers:
+            raise ValueError("needs at least one host:port")
+        for server in servers:
+            host, sep, port = server.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"{server!r} is not host:port")
+        return ",".join(servers)
+
+    @property
+    def input_topics(self) -> dict[str, DocumentKind]:
+        """Each input topic and the kind its plain-text documents default to."""
+        return {
+            self.topic_complaints: DocumentKind.COMPLAINT,
+            self.topic_meeting_notes: DocumentKind.MEETING_NOTES,
+            self.topic_filings: DocumentKind.FILING,
+        }
+
+    def topic_for(self, kind: DocumentKind) -> str:
+        return {kind_: topic for topic, kind_ in self.input_topics.items()}[kind]
+
+    @property
+    def all_topics(self) -> list[str]:
+        return [*self.input_topics, self.topic_analysis, self.topic_dead_letters]
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Settings from the environment (plus explicit overrides), or a SettingsError naming the variable."""
+    try:
+        return Settings(**overrides)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            name = str(err["loc"][0]).upper() if err["loc"] else "(settings)"
+            shown = "" if "PASSWORD" in name else f" (got {err.get('input')!r})"
+            problems.append(f"{name}: {err['msg']}{shown}")
+        raise SettingsError("invalid configuration:\n  " + "\n  ".join(problems)) from None

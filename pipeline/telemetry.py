@@ -1,0 +1,76 @@
+"""OpenTelemetry wiring: tracer provider, aiokafka instrumentation, trace-context helpers.
+
+The aiokafka instrumentation patches the client classes process-wide, so it is applied once per
+process with the first provider given; spans of ours come from the same provider.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry import propagate, trace
+from opentelemetry.context import Context
+from opentelemetry.propagators.textmap import Getter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+from pipeline.settings import Settings
+
+log = logging.getLogger(__name__)
+
+TRACER_NAME = "deepanalyze"
+
+KafkaHeaders = Iterable[tuple[str, bytes | None]]
+
+
+@dataclass(frozen=True)
+class Telemetry:
+    provider: TracerProvider
+    tracer: trace.Tracer
+
+    def shutdown(self) -> None:
+        self.provider.force_flush()
+        self.provider.shutdown()
+
+
+def build_provider(settings: Settings) -> TracerProvider:
+    provider = TracerProvider(resource=Resource.create({"service.name": settings.otel_service_name}))
+    if settings.otel_exporter_otlp_endpoint:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        log.info("exporting traces over OTLP to %s", settings.otel_exporter_otlp_endpoint)
+    return provider
+
+
+def setup_telemetry(settings: Settings, provider: TracerProvider | None = None) -> Telemetry:
+    from opentelemetry.instrumentation.aiokafka import AIOKafkaInstrumentor
+
+    provider = provider or build_provider(settings)
+    instrumentor = AIOKafkaInstrumentor()
+    if not instrumentor.is_instrumented_by_opentelemetry:
+        instrumentor.instrument(tracer_provider=provider)
+    return Telemetry(provider, provider.get_tracer(TRACER_NAME))
+
+
+class _HeaderGetter(Getter[KafkaHeaders]):
+    def get(self, carrier: KafkaHeaders, key: str) -> list[str] | None:
+        values = [v.decode("utf-8", errors="replace") for k, v in carrier if k == key and v is not None]
+        return values or None
+
+    def keys(self, carrier: KafkaHeaders) -> list[str]:
+        return [k for k, _ in carrier]
+
+
+def extract_context(headers: Any) -> Context:
+    """The producer's trace context from a record's headers (empty context when there is none)."""
+    return propagate.extract(list(headers or ()), getter=_HeaderGetter())
+
+
+def current_trace_id() -> str | None:
+    context = trace.get_current_span().get_span_context()
+    return format(context.trace_id, "032x") if context.is_valid else None

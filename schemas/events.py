@@ -1,0 +1,192 @@
+"""Everything that travels on a topic: documents in, analysis events and dead letters out.
+
+Owns the wire shapes and the deterministic event id. Knows nothing of Kafka clients, the engine
+or prompts; other packages import from here, never the other way round.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+SCHEMA_VERSION: Literal["1.0"] = "1.0"
+
+# Fixed namespace so that (topic, partition, offset) always maps to the same event id,
+# on every worker and across restarts: a re-delivered record yields the same id.
+EVENT_ID_NAMESPACE = uuid.UUID("5b0f7c1e-4f2a-4d7e-9a51-0d5f3e6a2c11")
+
+NonEmptyStr = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)]
+# Bounded so that a constrained decoder cannot loop inside one field or one list forever.
+Item = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=300)]
+MAX_ITEMS = 8
+
+
+class DocumentKind(StrEnum):
+    COMPLAINT = "complaint"
+    MEETING_NOTES = "meeting_notes"
+    FILING = "filing"
+
+
+class Language(StrEnum):
+    ZH = "zh"
+    EN = "en"
+
+
+class Polarity(StrEnum):
+    POSITIVE = "positive"
+    NEUTRAL = "neutral"
+    NEGATIVE = "negative"
+
+
+class Urgency(StrEnum):
+    LOW = "low"
+    MEDIUM = "medium"
+    HIGH = "high"
+    CRITICAL = "critical"
+
+
+class DeadLetterReason(StrEnum):
+    NOT_UTF8 = "not_utf8"
+    INVALID_JSON = "invalid_json"
+    SCHEMA_VIOLATION = "schema_violation"
+    EMPTY_TEXT = "empty_text"
+    TOO_LONG = "too_long"
+    MODEL_OUTPUT_INVALID = "model_output_invalid"
+    GENERATION_FAILED = "generation_failed"
+
+
+def event_id_for(topic: str, partition: int, offset: int) -> str:
+    """The id of whatever answers the record at these coordinates (analysis or dead letter)."""
+    return str(uuid.uuid5(EVENT_ID_NAMESPACE, f"{topic}/{partition}/{offset}"))
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DocumentEvent(_Wire):
+    """A document to analyse, as published on an input topic (JSON form).
+
+    Plain-text messages are accepted too; then the kind comes from the topic and the id from the
+    message key (or the record coordinates when there is no key).
+    """
+
+    document_id: NonEmptyStr | None = Field(
+        default=None, max_length=256, description="Defaults to the message key, else topic/partition/offset."
+    )
+    kind: DocumentKind | None = Field(default=None, description="Defaults to the kind of the input topic.")
+    text: NonEmptyStr
+    language: Language | None = Field(default=None, description="Detected from the text when absent.")
+    source_system: str | None = Field(default=None, max_length=256)
+    submitted_at: datetime | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class SourceCoordinates(_Wire):
+    topic: str
+    partition: int = Field(ge=0)
+    offset: int = Field(ge=0)
+
+
+class KeyInformation(_Wire):
+    facts: list[Item] = Field(
+        max_length=MAX_ITEMS, description="What the document states as having happened or being so."
+    )
+    data: list[Item] = Field(
+        max_length=MAX_ITEMS, description="Figures, dates, amounts, identifiers, as written."
+    )
+    conclusions: list[Item] = Field(
+        max_length=MAX_ITEMS, description="What the document concludes, decides or demands."
+    )
+
+
+class Sentiment(_Wire):
+    polarity: Polarity
+    implies_doubt: bool = Field(description="The text questions or distrusts something (质疑).")
+    implies_expectation: bool = Field(description="The text expects or demands something (期待).")
+    rationale: Item
+
+
+class Triage(_Wire):
+    urgency: Urgency
+    category: NonEmptyStr = Field(max_length=64)
+    escalate: bool
+
+
+class Analysis(_Wire):
+    """The three-part report; `triage` is present for complaints only."""
+
+    core_viewpoint: Item = Field(description="One sentence stating the position.")
+    key_information: KeyInformation
+    sentiment: Sentiment
+    triage: Triage | None = None
+
+
+def analysis_json_schema(kind: DocumentKind) -> dict[str, Any]:
+    """The JSON Schema a model's answer must match for this kind: triage required for complaints,
+    absent otherwise. Handed to the engine's constrained decoder as data."""
+    schema = Analysis.model_json_schema()
+    if kind is DocumentKind.COMPLAINT:
+        schema["properties"]["triage"] = {"$ref": "#/$defs/Triage"}
+        schema["required"] = [*schema["required"], "triage"]
+    else:
+        del schema["properties"]["triage"]
+        del schema["$defs"]["Triage"]
+    return schema
+
+
+class Timings(_Wire):
+    queued_ms: float = Field(ge=0, description="From consume to the engine's first forward pass.")
+    time_to_first_token_ms: float = Field(ge=0, description="From consume to the first generated token.")
+    total_ms: float = Field(ge=0, description="From consume to the analysis being ready to publish.")
+    prompt_tokens: int = Field(ge=0)
+    output_tokens: int = Field(ge=0)
+    attempts: int = Field(ge=1, description="Generations run (2 when the repair attempt was needed).")
+
+
+class EngineSettings(_Wire):
+    dynamic_batching: bool
+    kv_compression: bool
+    max_batch_size: int = Field(ge=1)
+
+
+class AnalysisEvent(_Wire):
+    schema_version: Literal["1.0"] = SCHEMA_VERSION
+    event_id: str
+    document_id: str
+    kind: DocumentKind
+    language: Language
+    analysis: Analysis
+    model: str
+    timings: Timings
+    engine: EngineSettings
+    source: SourceCoordinates
+    trace_id: str | None = Field(default=None, description="W3C trace id (32 hex) of this document's trace.")
+    created_at: datetime
+
+
+class Header(_Wire):
+    key: str
+    value_b64: str | None
+
+
+class DeadLetter(_Wire):
+    """A record that could not be analysed: the reason, and everything needed to replay it."""
+
+    schema_version: Literal["1.0"] = SCHEMA_VERSION
+    event_id: str
+    document_id: str | None = None
+    source: SourceCoordinates
+    key_b64: str | None
+    value_b64: str | None = Field(description="The original record value, base64.")
+    headers: list[Header]
+    error_type: DeadLetterReason
+    error_message: str
+    attempts: int = Field(ge=0, description="Generations tried before giving up (0: rejected on decode).")
+    raw_model_output: str | None = None
+    trace_id: str | None = None
+    created_at: datetime
