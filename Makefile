@@ -1,0 +1,42 @@
+# Two entry points for a newcomer: `make demo` and `make test`. Everything else is a helper.
+PYTHON ?= python3.11
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
+
+.PHONY: install demo test lint typecheck unit schemas clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[model,dev]'
+	# xgrammar declares triton (1 GB of GPU kernels) as a dependency on Linux x86_64; its CPU path
+	# never uses it, so on CPU machines install xgrammar and its two real dependencies without it.
+	# The CUDA image installs the `grammar` extra normally (triton comes with CUDA torch anyway).
+	$(BIN)/pip install --quiet --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/deepanalyze demo
+
+test: install lint typecheck
+	$(BIN)/python -m pytest
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: install
+	$(BIN)/mypy
+
+unit: install
+	$(BIN)/python -m pytest -m "not integration and not model"
+
+schemas: install
+	$(BIN)/python -m schemas.export
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache test-artifacts

@@ -1,0 +1,80 @@
+"""A stand-in engine for delivery tests: fast, deterministic, no model.
+
+It reads the document back out of the prompt and answers with a valid analysis, except for
+documents containing "MODEL-FAIL" (invalid output every time) or "MODEL-REPAIR" (invalid first,
+valid on the repair attempt).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+
+from engine import EngineStats, GenerationResult, SamplingParams
+
+
+class ScriptedEngine:
+    def __init__(self, delay_s: float = 0.0, model_id: str = "scripted") -> None:
+        self.delay_s = delay_s
+        self._model_id = model_id
+        self.calls = 0
+
+    @property
+    def model_id(self) -> str:
+        return self._model_id
+
+    def format_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        return list(json.dumps(list(messages), ensure_ascii=False).encode("utf-8"))
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> GenerationResult:
+        self.calls += 1
+        await asyncio.sleep(self.delay_s)
+        messages = json.loads(bytes(prompt_ids).decode("utf-8"))
+        user = messages[1]["content"]
+        document = user.split("<document>")[-1].split("</document>")[0].strip()
+        is_repair = len(messages) > 2
+        is_complaint = params is not None and params.json_schema is not None and '"triage"' in params.json_schema
+        if "MODEL-FAIL" in document or ("MODEL-REPAIR" in document and not is_repair):
+            text = '{"core_viewpoint": "unterminated'
+        else:
+            analysis: dict[str, object] = {
+                "core_viewpoint": f"The document says: {document[:40]}",
+                "key_information": {"facts": [document[:60]], "data": [str(len(document))], "conclusions": []},
+                "sentiment": {
+                    "polarity": "negative" if is_complaint else "neutral",
+                    "implies_doubt": False,
+                    "implies_expectation": is_complaint,
+                    "rationale": "scripted",
+                },
+            }
+            if is_complaint:
+                analysis["triage"] = {"urgency": "medium", "category": "test", "escalate": False}
+            text = json.dumps(analysis)
+        return GenerationResult(
+            text=text,
+            token_ids=list(range(len(text) // 4 + 1)),
+            prompt_tokens=len(prompt_ids),
+            finish_reason="stop",
+            queued_s=0.001,
+            ttft_s=0.002,
+            total_s=self.delay_s + 0.003,
+            batch_size=1,
+        )
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            model_id=self.model_id,
+            device="cpu",
+            dtype="none",
+            dynamic_batching=False,
+            kv_compression=False,
+            max_batch_size=1,
+            num_waiting=0,
+            num_running=0,
+            num_batches=self.calls,
+            num_finished=self.calls,
+            num_generated_tokens=0,
+            mean_batch_size=1.0 if self.calls else 0.0,
+            largest_batch=1 if self.calls else 0,
+        )
