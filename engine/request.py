@@ -112,10 +112,7 @@ class RequestHandle:
         """Text deltas as tokens arrive; never splits a multi-byte character."""
         ids: list[int] = []
         emitted = ""
-        while True:
-            item = await self._request.tokens.get()
-            if item is None:
-                break
+        while (item := await self._request.tokens.get()) is not None:
             ids.append(item)
             text = self._decode(ids)
             # A trailing U+FFFD means the last token ends inside a character: wait for the rest.
@@ -124,6 +121,9 @@ class RequestHandle:
             if len(text) > len(emitted):
                 yield text[len(emitted) :]
                 emitted = text
+        text = self._decode(ids)  # the sequence ended: whatever was held back is final
+        if len(text) > len(emitted):
+            yield text[len(emitted) :]
 
 
 def id_counter() -> Callable[[], int]:

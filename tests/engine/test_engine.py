@@ -1,0 +1,142 @@
+"""The engine on tiny models built in code (fp32): batched output equals `model.generate` alone."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import Engine, EngineConfig, EngineError, GenerationResult, SamplingParams
+from engine.loader import LoadedModel
+from engine.tiny import build_tiny
+
+PROMPTS = [
+    "hello there",
+    "会议决定下季度增加预算，客户投诉处理时间缩短到两天。",
+    "The customer complains that the delivery was late and the fee was wrong, again and again.",
+    "x",
+    "Revenue grew 12% year over year.",
+]
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def tiny(request: pytest.FixtureRequest) -> LoadedModel:
+    return build_tiny(request.param)
+
+
+def make_engine(tiny: LoadedModel, **overrides: object) -> Engine:
+    config = EngineConfig(model_path=Path("unused"), dtype="float32", **overrides)  # type: ignore[arg-type]
+    return Engine(config, tiny)
+
+
+@torch.inference_mode()
+def reference(tiny: LoadedModel, ids: list[int], n: int) -> list[int]:
+    """Greedy decoding by full recomputation, one request alone, EOS ignored (no cache involved)."""
+    seq = list(ids)
+    for _ in range(n):
+        seq.append(int(tiny.model(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(ids) :]
+
+
+def generate_alone(tiny: LoadedModel, ids: list[int], n: int) -> list[int]:
+    """`model.generate` on one request; the engine reports tokens before EOS, so EOS is cut."""
+    out = [int(t) for t in tiny.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids) :]]
+    eos = tiny.tokenizer.eos_token_id
+    return out[: out.index(eos)] if eos in out else out
+
+
+async def test_batched_requests_arriving_at_different_times_match_generate_alone(tiny: LoadedModel) -> None:
+    engine = make_engine(tiny, dynamic_batching=True, max_batch_size=3, batch_window_ms=30)
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    async with engine:
+        ids = [engine.format_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+
+        async def late(i: int) -> GenerationResult:
+            await asyncio.sleep(0.02 * i)
+            return await engine.generate(ids[i], params)
+
+        results = await asyncio.gather(*(late(i) for i in range(len(ids))))
+        stats = engine.stats()
+    for prompt_ids, result in zip(ids, results, strict=True):
+        assert result.token_ids == reference(tiny, prompt_ids, 10)
+        assert result.finish_reason == "length"
+        assert result.prompt_tokens == len(prompt_ids)
+        assert 0 <= result.queued_s <= result.ttft_s <= result.total_s
+    assert stats.largest_batch > 1, "the window should have grouped requests"
+    assert stats.largest_batch <= 3
+    assert stats.num_finished == len(PROMPTS)
+
+
+async def test_batch_stops_each_sequence_where_generate_alone_stops(tiny: LoadedModel) -> None:
+    engine = make_engine(tiny, dynamic_batching=True, max_batch_size=8, batch_window_ms=50)
+    async with engine:
+        ids = [engine.format_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+        results = await asyncio.gather(*(engine.generate(i, SamplingParams(max_new_tokens=40)) for i in ids))
+    for prompt_ids, result in zip(ids, results, strict=True):
+        assert result.token_ids == generate_alone(tiny, prompt_ids, 40)
+    assert max(r.batch_size for r in results) > 1
+
+
+async def test_without_dynamic_batching_requests_run_one_at_a_time(tiny: LoadedModel) -> None:
+    engine = make_engine(tiny, dynamic_batching=False, max_batch_size=8)
+    async with engine:
+        ids = [engine.format_chat([{"role": "user", "content": p}]) for p in PROMPTS[:3]]
+        results = await asyncio.gather(*(engine.generate(i, SamplingParams(max_new_tokens=4)) for i in ids))
+        assert engine.stats().largest_batch == 1
+    assert all(r.batch_size == 1 for r in results)
+
+
+async def test_stream_yields_the_result_text(tiny: LoadedModel) -> None:
+    async with make_engine(tiny) as engine:
+        handle = engine.submit(engine.format_chat([{"role": "user", "content": "会议"}]), SamplingParams(12))
+        streamed = "".join([delta async for delta in handle.stream()])
+        result = await handle.result()
+    assert streamed == result.text
+
+
+async def test_seeded_sampling_is_reproducible(tiny: LoadedModel) -> None:
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
+    async with make_engine(tiny) as engine:
+        ids = engine.format_chat([{"role": "user", "content": "hello"}])
+        first, second = [await engine.generate(ids, params) for _ in range(2)]
+    assert first.token_ids == second.token_ids
+
+
+async def test_cancelled_request_finishes_as_cancelled(tiny: LoadedModel) -> None:
+    async with make_engine(tiny) as engine:
+        ids = engine.format_chat([{"role": "user", "content": "hello"}])
+        handle = engine.submit(ids, SamplingParams(max_new_tokens=2000, ignore_eos=True))
+        await asyncio.sleep(0.05)
+        handle.cancel()
+        result = await asyncio.wait_for(handle.result(), 10)
+    assert result.finish_reason == "cancelled"
+    assert len(result.token_ids) < 2000
+
+
+async def test_prompt_longer_than_the_context_is_refused(tiny: LoadedModel) -> None:
+    async with make_engine(tiny) as engine:
+        with pytest.raises(EngineError, match="context"):
+            engine.submit([1] * 2040, SamplingParams(max_new_tokens=64))
+
+
+async def test_json_schema_constrains_the_output_of_a_random_model(tiny: LoadedModel) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"polarity": {"enum": ["positive", "neutral", "negative"]}, "escalate": {"type": "boolean"}},
+        "required": ["polarity", "escalate"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(max_new_tokens=64, json_schema=json.dumps(schema))
+    async with make_engine(tiny, dynamic_batching=True, max_batch_size=4, batch_window_ms=20) as engine:
+        ids = [engine.format_chat([{"role": "user", "content": p}]) for p in PROMPTS[:3]]
+        free = engine.generate(ids[0], SamplingParams(max_new_tokens=8, ignore_eos=True))
+        results = await asyncio.gather(free, *(engine.generate(i, params) for i in ids[1:]))
+    for result in results[1:]:
+        value = json.loads(result.text)
+        assert value["polarity"] in schema["properties"]["polarity"]["enum"]  # type: ignore[index]
+        assert isinstance(value["escalate"], bool)
+        assert result.finish_reason == "stop"
+    assert results[0].token_ids == reference(tiny, ids[0], 8)  # unconstrained row unaffected

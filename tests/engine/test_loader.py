@@ -1,0 +1,43 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine import ModelLoadError, load_model
+from engine.tiny import save_tiny
+
+
+def test_missing_path(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(tmp_path / "nope")
+
+
+def test_a_file_is_not_a_model(tmp_path: Path) -> None:
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ModelLoadError, match="not a folder"):
+        load_model(tmp_path / "model.gguf")
+
+
+def test_folder_without_config(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="config.json is missing"):
+        load_model(tmp_path)
+
+
+def test_not_a_causal_lm(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BertForMaskedLM"]}))
+    with pytest.raises(ModelLoadError, match="not a causal language model"):
+        load_model(tmp_path)
+
+
+def test_no_weights(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"]}))
+    with pytest.raises(ModelLoadError, match="no weights"):
+        load_model(tmp_path)
+
+
+def test_a_saved_model_folder_loads(tmp_path: Path) -> None:
+    loaded = load_model(save_tiny(tmp_path / "tiny"), device="cpu", dtype="float32")
+    assert loaded.model_id == "tiny"
+    assert loaded.tokenizer.pad_token_id is not None

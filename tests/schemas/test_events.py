@@ -1,0 +1,48 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from schemas import Analysis, DocumentEvent, DocumentKind, analysis_json_schema, event_id_for
+from schemas.export import EXPORTED, JSON_DIR, render
+
+
+@pytest.mark.parametrize("name", sorted(EXPORTED))
+def test_exported_json_schema_matches_the_models(name: str) -> None:
+    exported = (JSON_DIR / f"{name}.schema.json").read_text(encoding="utf-8")
+    assert exported == render(EXPORTED[name]), "stale: run `make schemas`"
+
+
+def test_event_id_is_deterministic_and_distinct_per_coordinates() -> None:
+    assert event_id_for("docs.complaints", 0, 7) == event_id_for("docs.complaints", 0, 7)
+    ids = {event_id_for(t, p, o) for t in ("a", "b") for p in (0, 1) for o in (0, 1, 10)}
+    assert len(ids) == 12
+
+
+def test_document_event_rejects_blank_text_and_unknown_fields() -> None:
+    with pytest.raises(ValidationError):
+        DocumentEvent(text="   ")
+    with pytest.raises(ValidationError):
+        DocumentEvent.model_validate({"text": "x", "surprise": 1})
+    assert DocumentEvent(text=" hi ").text == "hi"
+
+
+def test_analysis_schema_requires_triage_for_complaints_only() -> None:
+    complaint = analysis_json_schema(DocumentKind.COMPLAINT)
+    filing = analysis_json_schema(DocumentKind.FILING)
+    assert "triage" in complaint["required"]
+    assert "triage" not in filing["properties"]
+    assert "Triage" not in filing["$defs"]
+    json.dumps(complaint)  # plain data, ready for the engine
+
+
+def test_analysis_bounds_its_lists() -> None:
+    base = {
+        "core_viewpoint": "x",
+        "key_information": {"facts": ["f"] * 9, "data": [], "conclusions": []},
+        "sentiment": {"polarity": "neutral", "implies_doubt": False, "implies_expectation": False, "rationale": "r"},
+    }
+    with pytest.raises(ValidationError):
+        Analysis.model_validate(base)
