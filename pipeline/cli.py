@@ -100,7 +100,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)  # errors stay on one greppable line
     try:
         settings = load_settings()
     except SettingsError as exc:

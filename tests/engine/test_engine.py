@@ -43,7 +43,10 @@ def reference(tiny: LoadedModel, ids: list[int], n: int) -> list[int]:
 
 def generate_alone(tiny: LoadedModel, ids: list[int], n: int) -> list[int]:
     """`model.generate` on one request; the engine reports tokens before EOS, so EOS is cut."""
-    out = [int(t) for t in tiny.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids) :]]
+    out = [
+        int(t)
+        for t in tiny.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids) :]
+    ]
     eos = tiny.tokenizer.eos_token_id
     return out[: out.index(eos)] if eos in out else out
 
@@ -125,7 +128,10 @@ async def test_prompt_longer_than_the_context_is_refused(tiny: LoadedModel) -> N
 async def test_json_schema_constrains_the_output_of_a_random_model(tiny: LoadedModel) -> None:
     schema = {
         "type": "object",
-        "properties": {"polarity": {"enum": ["positive", "neutral", "negative"]}, "escalate": {"type": "boolean"}},
+        "properties": {
+            "polarity": {"enum": ["positive", "neutral", "negative"]},
+            "escalate": {"type": "boolean"},
+        },
         "required": ["polarity", "escalate"],
         "additionalProperties": False,
     }

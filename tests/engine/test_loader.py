@@ -21,7 +21,7 @@ def test_a_file_is_not_a_model(tmp_path: Path) -> None:
 
 
 def test_folder_without_config(tmp_path: Path) -> None:
-    with pytest.raises(ModelLoadError, match="config.json is missing"):
+    with pytest.raises(ModelLoadError, match=r"config\.json is missing"):
         load_model(tmp_path)
 
 

@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import ModelLoadError
-from engine import weights
+from engine import ModelLoadError, weights
 
 
 def test_reassembly_verifies_the_checksum(tmp_path: Path) -> None:
@@ -27,7 +26,7 @@ def test_reassembly_verifies_the_checksum(tmp_path: Path) -> None:
 
 def test_missing_model_package_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(weights, "PART_DISTRIBUTIONS", ("deepanalyze-no-such-part",))
-    with pytest.raises(ModelLoadError, match="not installed.*MODEL_PATH"):
+    with pytest.raises(ModelLoadError, match=r"not installed.*MODEL_PATH"):
         weights.part_files()
 
 

@@ -27,20 +27,28 @@ class ScriptedEngine:
     def format_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
         return list(json.dumps(list(messages), ensure_ascii=False).encode("utf-8"))
 
-    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> GenerationResult:
+    async def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams | None = None
+    ) -> GenerationResult:
         self.calls += 1
         await asyncio.sleep(self.delay_s)
         messages = json.loads(bytes(prompt_ids).decode("utf-8"))
         user = messages[1]["content"]
         document = user.split("<document>")[-1].split("</document>")[0].strip()
         is_repair = len(messages) > 2
-        is_complaint = params is not None and params.json_schema is not None and '"triage"' in params.json_schema
+        is_complaint = (
+            params is not None and params.json_schema is not None and '"triage"' in params.json_schema
+        )
         if "MODEL-FAIL" in document or ("MODEL-REPAIR" in document and not is_repair):
             text = '{"core_viewpoint": "unterminated'
         else:
             analysis: dict[str, object] = {
                 "core_viewpoint": f"The document says: {document[:40]}",
-                "key_information": {"facts": [document[:60]], "data": [str(len(document))], "conclusions": []},
+                "key_information": {
+                    "facts": [document[:60]],
+                    "data": [str(len(document))],
+                    "conclusions": [],
+                },
                 "sentiment": {
                     "polarity": "negative" if is_complaint else "neutral",
                     "implies_doubt": False,

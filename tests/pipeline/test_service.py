@@ -31,9 +31,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def good_documents(n: int) -> list[DocumentEvent]:
     kinds = list(DocumentKind)
-    texts = ["快递晚到了五天，还多收了安装费。", "Revenue grew 9% to $2.8 billion.", "会议决定下周上线新版本。"]
+    texts = [
+        "快递晚到了五天，还多收了安装费。",
+        "Revenue grew 9% to $2.8 billion.",
+        "会议决定下周上线新版本。",
+    ]
     return [
-        DocumentEvent(document_id=f"doc-{i}", kind=kinds[i % 3], text=f"{texts[i % 3]} #{i}") for i in range(n)
+        DocumentEvent(document_id=f"doc-{i}", kind=kinds[i % 3], text=f"{texts[i % 3]} #{i}")
+        for i in range(n)
     ]
 
 
@@ -41,14 +46,26 @@ async def publish_bad(settings: Settings) -> dict[str, DeadLetterReason]:
     """One record per malformed case; returns event id -> expected reason."""
     cases = [
         (settings.topic_complaints, b"\xff\xfe not utf-8", [], DeadLetterReason.NOT_UTF8),
-        (settings.topic_filings, b'{"text": "unclosed', [("content-type", b"application/json")],
-         DeadLetterReason.INVALID_JSON),
+        (
+            settings.topic_filings,
+            b'{"text": "unclosed',
+            [("content-type", b"application/json")],
+            DeadLetterReason.INVALID_JSON,
+        ),
         (settings.topic_meeting_notes, b'{"body": "no text field"}', [], DeadLetterReason.SCHEMA_VIOLATION),
         (settings.topic_complaints, b"   \n  ", [], DeadLetterReason.EMPTY_TEXT),
-        (settings.topic_filings, b'{"text": "x"}' + b" " * 10 + ("长" * 5000).encode(), [("content-type", b"text/plain")],
-         DeadLetterReason.TOO_LONG),
-        (settings.topic_complaints, b"MODEL-FAIL this complaint makes the model babble", [],
-         DeadLetterReason.MODEL_OUTPUT_INVALID),
+        (
+            settings.topic_filings,
+            b'{"text": "x"}' + b" " * 10 + ("长" * 5000).encode(),
+            [("content-type", b"text/plain")],
+            DeadLetterReason.TOO_LONG,
+        ),
+        (
+            settings.topic_complaints,
+            b"MODEL-FAIL this complaint makes the model babble",
+            [],
+            DeadLetterReason.MODEL_OUTPUT_INVALID,
+        ),
     ]
     expected = {}
     for i, (topic, value, headers, reason) in enumerate(cases):
@@ -57,7 +74,9 @@ async def publish_bad(settings: Settings) -> dict[str, DeadLetterReason]:
     return expected
 
 
-async def committed_offsets(settings: Settings, partitions: set[TopicPartition]) -> dict[TopicPartition, int | None]:
+async def committed_offsets(
+    settings: Settings, partitions: set[TopicPartition]
+) -> dict[TopicPartition, int | None]:
     consumer = make_consumer(settings)
     await consumer.start()
     try:
@@ -77,8 +96,12 @@ def partition_ends(sent: list[Sent]) -> dict[TopicPartition, int]:
 async def test_every_record_answered_once_and_committed(settings: Settings, telemetry: Telemetry) -> None:
     settings = Settings(**{**settings.model_dump(), "max_document_chars": 4000})
     await ensure_topics(settings)
-    documents = good_documents(24) + [DocumentEvent(document_id="doc-repair", kind=DocumentKind.FILING,
-                                                    text="MODEL-REPAIR needs a second attempt")]
+    documents = [
+        *good_documents(24),
+        DocumentEvent(
+            document_id="doc-repair", kind=DocumentKind.FILING, text="MODEL-REPAIR needs a second attempt"
+        ),
+    ]
     sent = await publish_documents(settings, documents)
     bad = await publish_bad(settings)
     expected_good = {s.event_id: s for s in sent}
@@ -132,7 +155,7 @@ async def test_crash_mid_stream_loses_nothing(settings: Settings, telemetry: Tel
     sent = await publish_documents(settings, good_documents(30))
     expected = {s.event_id for s in sent}
     env = _settings_env(settings) | {"SCRIPTED_DELAY_S": "0.25", "PYTHONPATH": str(ROOT)}
-    worker = subprocess.Popen([sys.executable, "-m", "tests.pipeline.worker"], cwd=ROOT, env=env)  # noqa: S603
+    worker = subprocess.Popen([sys.executable, "-m", "tests.pipeline.worker"], cwd=ROOT, env=env)
     try:
         early = await collect_answers(settings, None, timeout_s=90, count=8)
         assert sum(map(len, early.values())) >= 8, "the first worker never answered"

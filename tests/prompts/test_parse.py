@@ -10,7 +10,12 @@ from schemas import DocumentKind, Polarity, Urgency
 VALID = {
     "core_viewpoint": "The customer wants a refund.",
     "key_information": {"facts": ["late"], "data": ["$40"], "conclusions": ["refund"]},
-    "sentiment": {"polarity": "Negative", "implies_doubt": True, "implies_expectation": True, "rationale": "angry"},
+    "sentiment": {
+        "polarity": "Negative",
+        "implies_doubt": True,
+        "implies_expectation": True,
+        "rationale": "angry",
+    },
     "triage": {"urgency": "HIGH", "category": "billing", "escalate": True},
 }
 

@@ -42,7 +42,12 @@ def test_analysis_bounds_its_lists() -> None:
     base = {
         "core_viewpoint": "x",
         "key_information": {"facts": ["f"] * 9, "data": [], "conclusions": []},
-        "sentiment": {"polarity": "neutral", "implies_doubt": False, "implies_expectation": False, "rationale": "r"},
+        "sentiment": {
+            "polarity": "neutral",
+            "implies_doubt": False,
+            "implies_expectation": False,
+            "rationale": "r",
+        },
     }
     with pytest.raises(ValidationError):
         Analysis.model_validate(base)

@@ -1,0 +1,46 @@
+"""The real default model through the real service and a real broker: documents in, valid
+three-part analyses out. Converts the model on first use (cached in ~/.cache/deepanalyze)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine import Engine
+from pipeline.app import engine_config, resolve_model_path
+from pipeline.client import collect_answers, load_documents, publish_documents
+from pipeline.demo import sample_paths
+from pipeline.kafka import ensure_topics
+from pipeline.service import Service, running
+from pipeline.settings import Settings
+from pipeline.telemetry import Telemetry
+from schemas import AnalysisEvent, DocumentKind
+
+pytestmark = [pytest.mark.integration, pytest.mark.model]
+
+
+async def test_default_model_analyses_bundled_samples(settings: Settings, telemetry: Telemetry) -> None:
+    settings = Settings(**{**settings.model_dump(), "dynamic_batching": True, "max_batch_size": 4})
+    config = engine_config(settings, resolve_model_path(settings))
+    engine = await asyncio.to_thread(Engine.from_config, config)
+    documents = [
+        d
+        for d in load_documents(sample_paths())
+        if d.document_id in {"sample-complaint-zh", "sample-filing-en", "sample-meeting-zh"}
+    ]
+    await ensure_topics(settings)
+    sent = await publish_documents(settings, documents)
+    async with engine:
+        service = Service(settings, engine, telemetry)
+        async with running(service, asyncio.Event()):
+            answers = await collect_answers(settings, {s.event_id for s in sent}, timeout_s=600)
+    assert {s.event_id for s in sent} <= answers.keys()
+    for found in answers.values():
+        event = found[0]
+        assert isinstance(event, AnalysisEvent), event
+        assert event.model.startswith("qwen2.5-coder-0.5b-instruct")
+        assert event.analysis.core_viewpoint
+        assert (event.kind is DocumentKind.COMPLAINT) == (event.analysis.triage is not None)
+        assert event.timings.output_tokens > 0 and event.engine.dynamic_batching
+    assert engine.stats().largest_batch > 1
