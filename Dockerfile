@@ -1,18 +1,19 @@
-# GPU image (default target) and a CPU image (`--target cpu`). The model is mounted, not baked in:
+# A GPU image (`--target gpu`, the last stage, so the default) and a CPU image (`--target cpu`). The model is mounted, not baked in:
 #   docker run --gpus all -v /models/Qwen2.5-7B-Instruct:/model:ro -e MODEL_PATH=/model \
 #     -e KAFKA_BOOTSTRAP_SERVERS=kafka:9092 -e DYNAMIC_BATCHING=true deepanalyze
-ARG PYTHON=python3.11
+FROM scratch AS source
+COPY pyproject.toml README.md /app/
+COPY schemas /app/schemas
+COPY prompts /app/prompts
+COPY engine /app/engine
+COPY pipeline /app/pipeline
 
 FROM python:3.11-slim-bookworm AS cpu
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 \
     STATUS_HOST=0.0.0.0 MODEL_PATH=/model
 RUN useradd --create-home --uid 10001 analyst
 WORKDIR /app
-COPY pyproject.toml README.md ./
-COPY schemas schemas
-COPY prompts prompts
-COPY engine engine
-COPY pipeline pipeline
+COPY --from=source /app ./
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
  && pip install . \
  && pip install --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
@@ -33,11 +34,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends software-proper
  && python3.11 -m venv /opt/venv && useradd --create-home --uid 10001 analyst
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /app
-COPY pyproject.toml README.md ./
-COPY schemas schemas
-COPY prompts prompts
-COPY engine engine
-COPY pipeline pipeline
+COPY --from=source /app ./
 RUN pip install --index-url https://download.pytorch.org/whl/cu128 torch==2.13.0 \
  && pip install '.[grammar]'
 USER analyst
