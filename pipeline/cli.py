@@ -10,6 +10,7 @@ import signal
 import sys
 from pathlib import Path
 
+from aiokafka.errors import KafkaError
 from rich.console import Console
 
 from engine import EngineError, ModelLoadError
@@ -125,17 +126,16 @@ def main(argv: list[str] | None = None) -> int:
 
             return asyncio.run(run_demo(Console(), args.timeout))
     except (ModelLoadError, EngineError) as exc:
-        console.print(f"[red]model error:[/red] {exc}")
+        console.print(f"[red]model error:[/red] {exc}", highlight=False)
         return 3
+    except KafkaError as exc:
+        console.print(f"[red]Kafka error ({settings.kafka_bootstrap_servers}):[/red] {exc}", highlight=False)
+        return 4
+    except (ValueError, OSError) as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        return 2
     except KeyboardInterrupt:
         return 130
-    except Exception as exc:
-        from aiokafka.errors import KafkaError
-
-        if isinstance(exc, KafkaError | OSError):
-            console.print(f"[red]Kafka error ({settings.kafka_bootstrap_servers}):[/red] {exc}")
-            return 4
-        raise
     return 0
 
 

@@ -43,12 +43,15 @@ def load_documents(paths: Iterable[Path], kind: DocumentKind | None = None) -> l
         if path.is_dir():
             documents += load_documents(sorted(p for p in path.iterdir() if p.is_file()), kind)
             continue
-        if path.suffix == ".json":
-            event = DocumentEvent.model_validate_json(path.read_bytes())
-            documents.append(event.model_copy(update={"kind": kind}) if kind else event)
-        else:
-            text = path.read_text(encoding="utf-8")
-            documents.append(DocumentEvent(document_id=path.stem, kind=kind, text=text))
+        try:
+            if path.suffix == ".json":
+                event = DocumentEvent.model_validate_json(path.read_bytes())
+                documents.append(event.model_copy(update={"kind": kind}) if kind else event)
+            else:
+                text = path.read_text(encoding="utf-8")
+                documents.append(DocumentEvent(document_id=path.stem, kind=kind, text=text))
+        except (UnicodeDecodeError, ValidationError) as exc:
+            raise ValueError(f"{path} is not a publishable document: {exc}") from exc
     return documents
 
 

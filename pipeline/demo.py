@@ -43,7 +43,8 @@ async def run_demo(console: Console, timeout_s: float) -> int:
     console.rule("[bold]DeepAnalyze demo")
     t0 = time.perf_counter()
     model_path = resolve_model_path(base)
-    console.print(f"model ready in {time.perf_counter() - t0:.1f} s: {model_path}")
+    console.print(f"model ready in {time.perf_counter() - t0:.1f} s", highlight=False)
+    console.print(f"  {model_path}", soft_wrap=True, highlight=False)
     with embedded_broker() as broker:
         settings = Settings(
             **{

@@ -67,13 +67,16 @@ def render_event(event: AnalysisEvent) -> RenderableType:
             ),
         ]
     t = event.timings
-    footer = (
-        f"{event.model} · queued {t.queued_ms:.0f} ms · first token {t.time_to_first_token_ms:.0f} ms · "
-        f"total {t.total_ms / 1000:.1f} s · {t.prompt_tokens}+{t.output_tokens} tokens · "
-        f"attempts {t.attempts}"
+    parts.append(
+        Text(
+            f"{event.model} · queued {t.queued_ms:.0f} ms · first token {t.time_to_first_token_ms:.0f} ms · "
+            f"total {t.total_ms / 1000:.1f} s · {t.prompt_tokens}+{t.output_tokens} tokens · "
+            f"attempts {t.attempts}",
+            style="dim",
+        )
     )
     title = f"{event.document_id}  [{event.kind.value}, {event.language.value}]"
-    return Panel(Group(*parts), title=title, subtitle=footer, title_align="left", subtitle_align="right")
+    return Panel(Group(*parts), title=title, title_align="left")
 
 
 def render_dead_letter(letter: DeadLetter) -> RenderableType:
