@@ -19,6 +19,10 @@ class EngineConfig:
     max_batch_size: int = 8
     batch_window_ms: float = 150.0  # how long the first waiting request may wait for others to join
     kv_compression: bool = False  # accepted and reported; the compressed cache is not implemented yet
+    kv_cache_bytes: int | None = None  # KV pool budget; None: kv_cache_memory_fraction of free memory
+    kv_cache_memory_fraction: float = 0.2
+    block_size: int = 16  # tokens per KV block
+    max_tokens_per_step: int = 512  # prefill chunks + decodes in one forward
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's default
 
     def __post_init__(self) -> None:
@@ -26,6 +30,14 @@ class EngineConfig:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.batch_window_ms < 0:
             raise ValueError(f"batch_window_ms must be >= 0, got {self.batch_window_ms}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
+        if not 0 < self.kv_cache_memory_fraction <= 0.95:
+            raise ValueError(
+                f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction}"
+            )
+        if self.block_size < 1 or self.max_tokens_per_step < 1:
+            raise ValueError("block_size and max_tokens_per_step must be >= 1")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
 

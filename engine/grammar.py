@@ -1,14 +1,13 @@
-"""Schema-constrained decoding with xgrammar: per-sequence matchers, one token bitmask per step.
+"""Schema-constrained decoding with xgrammar: compiled grammars, per-sequence matchers, bitmasks.
 
 The caller passes a JSON Schema as text (the engine imports no event schema). Compiled grammars
-are cached per schema text; each request gets its own matcher, so constrained and free requests
-share a batch.
+are cached per schema text; each sequence gets its own matcher, so constrained and free
+sequences share a batch.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -44,35 +43,11 @@ class GrammarCompiler:
         return self._xgr.GrammarMatcher(compiled)
 
 
-class BatchConstraint:
-    """The matchers of one batch (None: unconstrained row) and their shared bitmask."""
+def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """(rows, ceil(V/32)) int32, every token allowed."""
+    return torch.as_tensor(_xgrammar().allocate_token_bitmask(rows, vocab_size))
 
-    def __init__(
-        self, compiler: GrammarCompiler, schemas: Sequence[str | None], device: torch.device
-    ) -> None:
-        self._xgr = _xgrammar()
-        self.matchers = [compiler.matcher(s) if s is not None else None for s in schemas]
-        self.rows = [i for i, m in enumerate(self.matchers) if m is not None]
-        self.bitmask = self._xgr.allocate_token_bitmask(len(schemas), compiler.vocab_size)  # (B, ceil(V/32))
-        self.device = device
 
-    def apply(self, logits: torch.Tensor, live: Sequence[bool]) -> None:
-        """Masks, in place, every token the grammar forbids for each live constrained row."""
-        rows = [i for i in self.rows if live[i]]
-        if not rows:
-            return
-        for i in rows:
-            matcher = self.matchers[i]
-            if matcher is not None:
-                matcher.fill_next_token_bitmask(self.bitmask, i)
-        mask = self.bitmask.to(logits.device, non_blocking=True)
-        self._xgr.apply_token_bitmask_inplace(logits, mask, indices=rows)
-
-    def accept(self, row: int, token: int) -> bool:
-        """Advances the row's matcher; True once its grammar is complete."""
-        matcher = self.matchers[row]
-        if matcher is None:
-            return False
-        if not matcher.accept_token(token):
-            raise EngineError(f"token {token} rejected by the grammar")
-        return bool(matcher.is_terminated())
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Sets, in place, the logits of forbidden tokens to -inf in the given rows."""
+    _xgrammar().apply_token_bitmask_inplace(logits, bitmask, indices=rows)

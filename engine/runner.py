@@ -1,157 +1,123 @@
-"""Runs one batch of requests to completion on the model: padded prefill, then lock-step decode.
+"""Runs one engine step: a single forward over the packed tokens of every scheduled chunk.
 
-Owns every tensor of a step. Runs on the engine's worker thread; reports tokens through a
-callback and never touches asyncio objects itself. Knows nothing of queues or admission.
+Owns every tensor of a step. The step's layout (`StepBatch`) travels as a forward keyword to the
+registered paged attention function; `logits_to_keep` selects the last token of each chunk that
+samples. Sampling (greedy or temperature/top-p with a per-request seed) runs on fp32 logits after
+the grammar mask. Runs on the engine's worker thread; returns tokens, mutates no scheduler state.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence as Seq
 
 import torch
-from transformers import DynamicCache
 
-from engine.grammar import BatchConstraint, GrammarCompiler
+from engine.attention import SeqSlice, StepBatch, group_decodes
+from engine.grammar import GrammarCompiler, allocate_bitmask, apply_bitmask
+from engine.kv_cache import KVCache, slots_of
 from engine.loader import LoadedModel
-from engine.request import EngineError, FinishReason, Request
-
-# (request, token id) for each generated token; (request, reason) when a sequence ends.
-TokenSink = Callable[[Request, int, float], None]
-FinishSink = Callable[[Request, FinishReason, float], None]
+from engine.scheduler import Chunk
+from engine.sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel) -> None:
+    def __init__(self, loaded: LoadedModel, cache: KVCache, block_tables: object) -> None:
         self.model = loaded.model
         self.device = loaded.device
-        self.pad_id = int(loaded.tokenizer.pad_token_id)
-        self.eos_ids = _eos_ids(loaded)
-        self.max_context = int(getattr(self.model.config, "max_position_embeddings", 32768))
         self.tokenizer = loaded.tokenizer
+        self.cache = cache
+        self.block_size = cache.block_size
+        self.tables = block_tables  # BlockManager: read-only here
+        self.vocab_size = int(self.model.config.vocab_size)
         self._grammar: GrammarCompiler | None = None
 
     def grammar(self) -> GrammarCompiler:
         if self._grammar is None:  # built on first use: indexing a 150k vocabulary takes a moment
-            self._grammar = GrammarCompiler(self.tokenizer, int(self.model.config.vocab_size))
+            self._grammar = GrammarCompiler(self.tokenizer, self.vocab_size)
         return self._grammar
 
-    def check_fits(self, request: Request) -> None:
-        needed = request.num_prompt_tokens + request.params.max_new_tokens
-        if needed > self.max_context:
-            raise EngineError(
-                f"prompt of {request.num_prompt_tokens} tokens + {request.params.max_new_tokens} new tokens "
-                f"exceeds the model's context of {self.max_context}"
-            )
-
     @torch.inference_mode()
-    def run(self, batch: Sequence[Request], on_token: TokenSink, on_finish: FinishSink) -> None:
-        """Generates every request in `batch` until each stops; left padding aligns the prompts."""
-        size = len(batch)
-        longest = max(r.num_prompt_tokens for r in batch)
-        input_ids = torch.full((size, longest), self.pad_id, dtype=torch.long)  # (B, T)
-        mask = torch.zeros((size, longest), dtype=torch.long)  # (B, T)
-        for row, request in enumerate(batch):
-            n = request.num_prompt_tokens
-            input_ids[row, longest - n :] = torch.tensor(request.prompt_ids)
-            mask[row, longest - n :] = 1
-        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, T)
-        generators = [_generator(r, self.device) for r in batch]
-        cache = DynamicCache(config=self.model.config)
-        live = [not r.cancelled for r in batch]
-        counts = [0] * size
-        for request in batch:
-            if request.cancelled:
-                on_finish(request, "cancelled", time.perf_counter())
-
-        schemas = [r.params.json_schema for r in batch]
-        constraint = BatchConstraint(self.grammar(), schemas, self.device) if any(schemas) else None
-        logits = self._forward(input_ids, mask, positions, cache)  # (B, V)
-        while any(live):
-            if constraint is not None:
-                constraint.apply(logits, live)
-            next_ids = self._sample(logits, batch, generators)  # (B,)
-            now = time.perf_counter()
-            for row, request in enumerate(batch):
-                if not live[row]:
-                    continue
-                if request.cancelled:
-                    live[row] = False
-                    on_finish(request, "cancelled", now)
-                    continue
-                token = int(next_ids[row])
-                counts[row] += 1
-                if token in self.eos_ids and not request.params.ignore_eos:
-                    live[row] = False
-                    on_finish(request, "stop", now)
-                    continue
-                on_token(request, token, now)
-                if constraint is not None:
-                    constraint.accept(row, token)
-                if counts[row] >= request.params.max_new_tokens:
-                    live[row] = False
-                    on_finish(request, "length", now)
-            if not any(live):
-                break
-            mask = torch.cat([mask, torch.ones((size, 1), dtype=mask.dtype, device=self.device)], dim=1)
-            positions = positions[:, -1:] + 1
-            logits = self._forward(next_ids[:, None], mask, positions, cache)
-
-    def _forward(
-        self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache
-    ) -> torch.Tensor:
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=positions,
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=1,
+    def step(self, plan: Seq[Chunk]) -> list[int | None]:
+        """The sampled token of each chunk that reaches its sequence's end (None for the others)."""
+        ids: list[int] = []
+        positions: list[int] = []
+        new_slots: list[int] = []
+        seqs: list[SeqSlice] = []
+        last_rows: list[int] = []
+        for chunk in plan:
+            end = chunk.start + chunk.num_tokens
+            table = self.tables.table(chunk.seq.seq_id)  # type: ignore[attr-defined]
+            seqs.append(
+                SeqSlice(
+                    q_start=len(ids),
+                    q_len=chunk.num_tokens,
+                    kv_slots=torch.tensor(slots_of(table, end, self.block_size), device=self.device),
+                )
+            )
+            ids += chunk.seq.token_ids[chunk.start : end]
+            positions += range(chunk.start, end)
+            new_slots += slots_of(table, end, self.block_size, start=chunk.start)
+            if chunk.samples:
+                last_rows.append(len(ids) - 1)
+        # Decodes without a sliding window share one padded attention call per layer.
+        sliding = getattr(self.model.config, "sliding_window", None) and getattr(
+            self.model.config, "use_sliding_window", False
         )
-        logits: torch.Tensor = out.logits[:, -1, :].float()  # (B, V), sampling always in fp32
-        return logits
+        decodes = [] if sliding else [s for s in seqs if s.q_len == 1]
+        batch = StepBatch(
+            self.cache,
+            torch.tensor(new_slots, device=self.device),
+            [s for s in seqs if s.q_len > 1 or sliding],
+            group_decodes(decodes, self.device),
+        )
+        out = self.model(
+            input_ids=torch.tensor([ids], device=self.device),  # (1, T)
+            position_ids=torch.tensor([positions], device=self.device),  # (1, T)
+            use_cache=False,
+            logits_to_keep=torch.tensor(last_rows, dtype=torch.long, device=self.device),
+            step=batch,
+        )
+        logits = out.logits[0].float()  # (S, V): one row per sampling chunk, fp32 for sampling
+        sampling = [c.seq for c in plan if c.samples]
+        tokens = iter(self._sample(logits, sampling))
+        return [next(tokens) if c.samples else None for c in plan]
 
-    @staticmethod
-    def _sample(
-        logits: torch.Tensor, batch: Sequence[Request], generators: Sequence[torch.Generator | None]
-    ) -> torch.Tensor:
-        greedy = logits.argmax(dim=-1)  # (B,)
-        if all(r.params.temperature == 0 for r in batch):
-            return greedy
-        out = greedy.clone()
-        for row, request in enumerate(batch):
-            params = request.params
-            if params.temperature == 0:
-                continue
-            probs = torch.softmax(logits[row] / params.temperature, dim=-1)  # (V,)
-            if params.top_p < 1.0:
-                sorted_probs, order = probs.sort(descending=True)
-                # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-                drop = sorted_probs.cumsum(-1) - sorted_probs > params.top_p
-                sorted_probs[drop] = 0
-                probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-            out[row] = torch.multinomial(probs, 1, generator=generators[row])[0]
-        return out
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        logits = logits[:, : self.vocab_size]
+        constrained = [i for i, s in enumerate(seqs) if s.request.params.json_schema is not None]
+        if constrained:
+            bitmask = allocate_bitmask(len(seqs), self.vocab_size)
+            for row in constrained:
+                seq = seqs[row]
+                if seq.matcher is None:
+                    seq.matcher = self.grammar().matcher(seq.request.params.json_schema or "")
+                seq.matcher.fill_next_token_bitmask(bitmask, row)
+            apply_bitmask(logits, bitmask.to(logits.device), constrained)
+        chosen = logits.argmax(dim=-1).tolist()  # (S,)
+        for row, seq in enumerate(seqs):
+            params = seq.request.params
+            if params.temperature > 0:
+                chosen[row] = _sample_row(logits[row], params.temperature, params.top_p, _generator(seq))
+            if seq.matcher is not None:
+                seq.matcher.accept_token(chosen[row])
+        return [int(t) for t in chosen]
 
 
-def _generator(request: Request, device: torch.device) -> torch.Generator | None:
-    if request.params.temperature == 0:
-        return None
-    generator = torch.Generator(device=device)
-    if request.params.seed is not None:
-        generator.manual_seed(request.params.seed)
-    else:
-        generator.seed()
-    return generator
+def _sample_row(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
+    probs = torch.softmax(logits / temperature, dim=-1)  # (V,)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+        sorted_probs[sorted_probs.cumsum(-1) - sorted_probs > top_p] = 0
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator)[0])
 
 
-def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
-    ids: set[int] = set()
-    config = getattr(loaded.model, "generation_config", None)
-    for source in (getattr(config, "eos_token_id", None), loaded.tokenizer.eos_token_id):
-        if isinstance(source, int):
-            ids.add(source)
-        elif isinstance(source, list | tuple):
-            ids.update(int(i) for i in source)
-    return frozenset(ids)
+def _generator(seq: Sequence) -> torch.Generator:
+    if seq.generator is None:
+        seq.generator = torch.Generator()  # on the CPU: the probabilities are small, the seed portable
+        if seq.request.params.seed is not None:
+            seq.generator.manual_seed(seq.request.params.seed)
+        else:
+            seq.generator.seed()
+    return seq.generator

@@ -57,6 +57,9 @@ def engine_config(settings: Settings, model_path: Path) -> EngineConfig:
         max_batch_size=settings.max_batch_size,
         batch_window_ms=settings.dynamic_batch_window_ms,
         kv_compression=settings.kv_compression,
+        kv_cache_bytes=settings.kv_cache_bytes,
+        kv_cache_memory_fraction=settings.kv_cache_memory_fraction,
+        max_tokens_per_step=settings.max_tokens_per_step,
     )
 
 

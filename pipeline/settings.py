@@ -57,6 +57,11 @@ class Settings(BaseSettings):
     kv_compression: bool = False
     max_batch_size: int = Field(default=8, ge=1, le=256)
     dynamic_batch_window_ms: float = Field(default=150.0, ge=0, le=10_000)
+    max_tokens_per_step: int = Field(default=512, ge=1, description="Prefill chunks + decodes per forward.")
+    kv_cache_bytes: int | None = Field(
+        default=None, ge=1, description="KV pool budget; default: a share of free memory."
+    )
+    kv_cache_memory_fraction: float = Field(default=0.2, gt=0, le=0.95)
     max_new_tokens: int = Field(default=512, ge=16, le=8192)
     max_document_chars: int = Field(default=8_000, ge=1)
     generation_attempts: int = Field(default=2, ge=1, le=5, description="1 + the repair attempt.")

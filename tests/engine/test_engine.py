@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,31 +30,49 @@ def tiny(request: pytest.FixtureRequest) -> LoadedModel:
 
 
 def make_engine(tiny: LoadedModel, **overrides: object) -> Engine:
-    config = EngineConfig(model_path=Path("unused"), dtype="float32", **overrides)  # type: ignore[arg-type]
+    options: dict[str, object] = {"kv_cache_bytes": 1 << 24, **overrides}
+    config = EngineConfig(model_path=Path("unused"), dtype="float32", **options)  # type: ignore[arg-type]
     return Engine(config, tiny)
+
+
+@contextlib.contextmanager
+def stock_attention(tiny: LoadedModel) -> Iterator[None]:
+    """The model with transformers' own SDPA attention, for references outside the engine."""
+    previous = tiny.model.config._attn_implementation
+    tiny.model.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        tiny.model.set_attn_implementation(previous)
 
 
 @torch.inference_mode()
 def reference(tiny: LoadedModel, ids: list[int], n: int) -> list[int]:
     """Greedy decoding by full recomputation, one request alone, EOS ignored (no cache involved)."""
     seq = list(ids)
-    for _ in range(n):
-        seq.append(int(tiny.model(torch.tensor([seq])).logits[0, -1].argmax()))
+    with stock_attention(tiny):
+        for _ in range(n):
+            seq.append(int(tiny.model(torch.tensor([seq])).logits[0, -1].argmax()))
     return seq[len(ids) :]
 
 
 def generate_alone(tiny: LoadedModel, ids: list[int], n: int) -> list[int]:
     """`model.generate` on one request; the engine reports tokens before EOS, so EOS is cut."""
-    out = [
-        int(t)
-        for t in tiny.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids) :]
-    ]
+    with stock_attention(tiny):
+        out = tiny.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids) :]
+    tokens = [int(t) for t in out]
     eos = tiny.tokenizer.eos_token_id
-    return out[: out.index(eos)] if eos in out else out
+    return tokens[: tokens.index(eos)] if eos in tokens else tokens
 
 
-async def test_batched_requests_arriving_at_different_times_match_generate_alone(tiny: LoadedModel) -> None:
-    engine = make_engine(tiny, dynamic_batching=True, max_batch_size=3, batch_window_ms=30)
+async def test_requests_joining_at_different_steps_with_chunked_prefill_match_alone(
+    tiny: LoadedModel,
+) -> None:
+    # A budget of 8 tokens a step forces every prompt (20-50 tokens) through several chunks,
+    # interleaved with the decodes of the requests already running.
+    engine = make_engine(
+        tiny, dynamic_batching=True, max_batch_size=3, batch_window_ms=30, max_tokens_per_step=8
+    )
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
     async with engine:
         ids = [engine.format_chat([{"role": "user", "content": p}]) for p in PROMPTS]
@@ -68,9 +88,34 @@ async def test_batched_requests_arriving_at_different_times_match_generate_alone
         assert result.finish_reason == "length"
         assert result.prompt_tokens == len(prompt_ids)
         assert 0 <= result.queued_s <= result.ttft_s <= result.total_s
-    assert stats.largest_batch > 1, "the window should have grouped requests"
+    assert stats.largest_batch > 1, "requests should have shared steps"
     assert stats.largest_batch <= 3
     assert stats.num_finished == len(PROMPTS)
+    assert stats.kv_used_bytes == 0, "every block returned"
+
+
+async def test_preempted_requests_produce_the_same_output(tiny: LoadedModel) -> None:
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    outputs = []
+    for pool_bytes in (1 << 24, 12 * 16 * 512):  # roomy, then 12 blocks of 16 tokens for 5 requests
+        engine = make_engine(tiny, dynamic_batching=True, max_batch_size=5, kv_cache_bytes=pool_bytes)
+        async with engine:
+            ids = [engine.format_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+            results = await asyncio.gather(*(engine.generate(i, params) for i in ids))
+            outputs.append([r.token_ids for r in results])
+            preemptions = engine.stats().num_preemptions
+            assert engine.stats().kv_used_bytes == 0
+    assert preemptions > 0, "the small pool should have forced preemption"
+    assert outputs[0] == outputs[1]
+
+
+async def test_kv_accounting_is_exact(tiny: LoadedModel) -> None:
+    engine = make_engine(tiny, kv_cache_bytes=1 << 20, block_size=16)
+    stats = engine.stats()
+    # tiny model: 2 layers x 2 KV heads x 16 dims x 4 bytes x 2 (K and V) = 512 bytes a token
+    assert stats.kv_bytes_per_token == 512
+    assert stats.kv_total_bytes == (1 << 20) // (512 * 16) * 512 * 16
+    assert stats.kv_total_bytes == engine.cache.total_bytes
 
 
 async def test_batch_stops_each_sequence_where_generate_alone_stops(tiny: LoadedModel) -> None:
@@ -123,6 +168,9 @@ async def test_prompt_longer_than_the_context_is_refused(tiny: LoadedModel) -> N
     async with make_engine(tiny) as engine:
         with pytest.raises(EngineError, match="context"):
             engine.submit([1] * 2040, SamplingParams(max_new_tokens=64))
+    async with make_engine(tiny, kv_cache_bytes=4 * 16 * 512) as engine:
+        with pytest.raises(EngineError, match="KV pool"):
+            engine.submit([1] * 60, SamplingParams(max_new_tokens=64))
 
 
 async def test_json_schema_constrains_the_output_of_a_random_model(tiny: LoadedModel) -> None:

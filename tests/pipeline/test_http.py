@@ -26,4 +26,6 @@ async def test_status_reflects_the_environment(
     assert status["max_batch_size"] == int(size)
     assert status["model"] == "m-1"
     assert {"processed", "failed", "dead_lettered"} <= status.keys()
+    assert status["kv_pool"]["total_bytes"] == 1024
+    assert "batch_occupancy" in status["engine"]
     assert health.status_code == 503  # not consuming yet

@@ -1,0 +1,140 @@
+"""Which tokens of which sequences run in the next step.
+
+Policy, in order, within a per-step token budget:
+1. decode-first: every running sequence that has finished its prompt gets its next token;
+2. chunked prefill: running sequences still reading their prompt get the budget that is left;
+3. admission (when the engine opens it): waiting sequences join, oldest first, preferring ones
+   whose pending length falls in the same bucket as the oldest, up to `max_running`.
+When the block pool cannot hold a decode, the youngest running sequence is preempted: its blocks
+are freed and it goes back to the front of the queue to be recomputed later (its generated tokens
+are kept, so its output does not change). Pure bookkeeping over `BlockManager`: no tensors.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running: int
+    max_tokens_per_step: int
+    bucket_tokens: int = 256  # prompts within the same 256-token band prefill together
+
+    def __post_init__(self) -> None:
+        if self.max_running < 1 or self.max_tokens_per_step < self.max_running:
+            raise ValueError(f"need max_running >= 1 and a token budget >= it: {self}")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    seq: Sequence
+    start: int  # first token index (== seq.num_computed when scheduled)
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the sequence's end, so its last logits give the next token."""
+        return self.start + self.num_tokens == len(self.seq.token_ids)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last is the youngest
+        self.num_preemptions = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Takes the sequence out (finished or cancelled) and returns its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq.seq_id)
+        seq.status = Status.FINISHED
+
+    def schedule(self, admit: bool) -> list[Chunk]:
+        while True:
+            plan = self._plan(admit)
+            if plan or not self.running:
+                return plan
+            # Nothing fits although sequences run (all prefilling, pool full): make room.
+            self._preempt(self.running[-1])
+
+    def _plan(self, admit: bool) -> list[Chunk]:
+        budget = self.config.max_tokens_per_step
+        plan: list[Chunk] = []
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING or not seq.is_decoding:
+                continue
+            while not self.blocks.can_allocate(seq.seq_id, seq.num_computed + 1):
+                self._preempt(self.running[-1])
+                if seq.status is not Status.RUNNING:
+                    break
+            if seq.status is Status.RUNNING:
+                plan.append(self._take(seq, 1))
+                budget -= 1
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if seq.is_decoding or any(c.seq is seq for c in plan):
+                continue
+            n = min(seq.num_pending, budget, self._room(seq))
+            if n > 0:
+                plan.append(self._take(seq, n))
+                budget -= n
+        anchor: int | None = None
+        while admit and self.waiting and len(self.running) < self.config.max_running and budget > 0:
+            seq = self._pick(anchor)
+            n = min(seq.num_pending, budget, self._room(seq))
+            if n <= 0:
+                self.waiting.appendleft(seq)
+                break
+            anchor = self._bucket(seq) if anchor is None else anchor
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            plan.append(self._take(seq, n))
+            budget -= n
+        return plan
+
+    def _take(self, seq: Sequence, n: int) -> Chunk:
+        self.blocks.allocate(seq.seq_id, seq.num_computed + n)
+        return Chunk(seq, seq.num_computed, n)
+
+    def _room(self, seq: Sequence) -> int:
+        """Tokens the sequence can still add with its own blocks plus the free pool."""
+        capacity = (len(self.blocks.table(seq.seq_id)) + self.blocks.num_free) * self.blocks.block_size
+        return capacity - seq.num_computed
+
+    def _bucket(self, seq: Sequence) -> int:
+        return seq.num_pending // self.config.bucket_tokens
+
+    def _pick(self, anchor: int | None) -> Sequence:
+        if anchor is not None:
+            for seq in self.waiting:
+                if seq.num_preemptions == 0 and self._bucket(seq) == anchor:
+                    self.waiting.remove(seq)
+                    return seq
+        return self.waiting.popleft()
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.seq_id)
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)

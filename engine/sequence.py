@@ -1,0 +1,51 @@
+"""A request's state inside the engine: its tokens, how many are in the KV cache, its status."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum, auto
+from typing import Any
+
+import torch
+
+from engine.request import Request
+
+
+class Status(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request: Request
+    token_ids: list[int]  # prompt, then generated tokens
+    num_prompt_tokens: int
+    num_computed: int = 0  # tokens whose keys/values are in the cache
+    status: Status = Status.WAITING
+    num_preemptions: int = 0
+    matcher: Any = None  # xgrammar GrammarMatcher, created on the runner thread on first use
+    generator: torch.Generator | None = field(default=None, repr=False)
+
+    @classmethod
+    def of(cls, seq_id: int, request: Request) -> Sequence:
+        return cls(seq_id, request, list(request.prompt_ids), request.num_prompt_tokens)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens to run through the model before the next one can be sampled."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.num_pending == 1 and self.num_output > 0
