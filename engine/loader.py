@@ -10,7 +10,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -19,6 +19,8 @@ from engine.config import Device, DType
 log = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+# Architectures whose attention path the engine has been checked against (tests + self-test).
+SUPPORTED_MODEL_TYPES: tuple[Literal["qwen2", "llama"], ...] = ("qwen2", "llama")
 _WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
 
 
@@ -60,6 +62,11 @@ def check_model_folder(path: Path) -> dict[str, Any]:
     if not any(str(a).endswith("ForCausalLM") for a in architectures):
         raise ModelLoadError(
             f"{path} is not a causal language model (architectures: {architectures or 'none'})"
+        )
+    if config.get("model_type") not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"{path} is a {config.get('model_type')!r} model; "
+            f"the engine supports {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     if not any(next(path.glob(p), None) for p in _WEIGHT_PATTERNS):
         raise ModelLoadError(f"{path} has no weights (*.safetensors or *.bin)")

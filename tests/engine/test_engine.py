@@ -194,3 +194,9 @@ async def test_json_schema_constrains_the_output_of_a_random_model(tiny: LoadedM
         assert isinstance(value["escalate"], bool)
         assert result.finish_reason == "stop"
     assert results[0].token_ids == reference(tiny, ids[0], 8)  # unconstrained row unaffected
+
+
+def test_start_up_self_test_passes() -> None:
+    from engine.selftest import self_test
+
+    self_test()

@@ -31,8 +31,21 @@ def test_not_a_causal_lm(tmp_path: Path) -> None:
         load_model(tmp_path)
 
 
+def test_untested_architecture_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+    )
+    with pytest.raises(ModelLoadError, match="not a causal language model"):
+        load_model(tmp_path)
+    config = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="supports qwen2, llama"):
+        load_model(tmp_path)
+
+
 def test_no_weights(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"]}))
+    config = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="no weights"):
         load_model(tmp_path)
 
