@@ -2,9 +2,9 @@
 
 Policy, in order, within a per-step token budget:
 1. decode-first: every running sequence that has finished its prompt gets its next token;
-2. chunked prefill: running sequences still reading their prompt get the budget that is left;
-3. admission (when the engine opens it): waiting sequences join, oldest first, preferring ones
-   whose pending length falls in the same bucket as the oldest, up to `max_running`.
+2. chunked prefill: sequences still reading their prompt get the budget that is left;
+   waiting sequences join them when the engine opens admission, up to `max_running`. Prefill is
+   ordered by length bucket (shortest first), then age; preempted sequences go first.
 When the block pool cannot hold a decode, the youngest running sequence is preempted: its blocks
 are freed and it goes back to the front of the queue to be recomputed later (its generated tokens
 are kept, so its output does not change). Pure bookkeeping over `BlockManager`: no tensors.
@@ -87,25 +87,27 @@ class Scheduler:
             if seq.status is Status.RUNNING:
                 plan.append(self._take(seq, 1))
                 budget -= 1
-        for seq in self.running:
+        # Prefill: running prompts and (when admission is open) waiting ones share what is left,
+        # shortest length bucket first, oldest first within a bucket. Similar lengths prefill
+        # together, and a short newcomer is not queued behind a 2,000-character document.
+        planned = {id(c.seq) for c in plan}
+        candidates = [s for s in self.running if id(s) not in planned and not s.is_decoding]
+        if admit:
+            candidates += list(self.waiting)
+        candidates.sort(key=lambda s: (s.num_preemptions == 0, self._bucket(s), s.request.arrived_at))
+        for seq in candidates:
             if budget <= 0:
                 break
-            if seq.is_decoding or any(c.seq is seq for c in plan):
+            joining = seq.status is Status.WAITING
+            if joining and len(self.running) >= self.config.max_running:
                 continue
             n = min(seq.num_pending, budget, self._room(seq))
-            if n > 0:
-                plan.append(self._take(seq, n))
-                budget -= n
-        anchor: int | None = None
-        while admit and self.waiting and len(self.running) < self.config.max_running and budget > 0:
-            seq = self._pick(anchor)
-            n = min(seq.num_pending, budget, self._room(seq))
             if n <= 0:
-                self.waiting.appendleft(seq)
                 break
-            anchor = self._bucket(seq) if anchor is None else anchor
-            seq.status = Status.RUNNING
-            self.running.append(seq)
+            if joining:
+                self.waiting.remove(seq)
+                seq.status = Status.RUNNING
+                self.running.append(seq)
             plan.append(self._take(seq, n))
             budget -= n
         return plan
@@ -121,14 +123,6 @@ class Scheduler:
 
     def _bucket(self, seq: Sequence) -> int:
         return seq.num_pending // self.config.bucket_tokens
-
-    def _pick(self, anchor: int | None) -> Sequence:
-        if anchor is not None:
-            for seq in self.waiting:
-                if seq.num_preemptions == 0 and self._bucket(seq) == anchor:
-                    self.waiting.remove(seq)
-                    return seq
-        return self.waiting.popleft()
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
