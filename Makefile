@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: install demo test lint typecheck unit schemas clean
+.PHONY: install demo test lint typecheck unit schemas bench-engine bench-validity clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,12 @@ typecheck: install
 
 unit: install
 	$(BIN)/python -m pytest -m "not integration and not model"
+
+bench-engine: install
+	$(BIN)/python -m bench.engine_bench --out bench/results/engine.json
+
+bench-validity: install
+	$(BIN)/python -m bench.validity --out bench/results/validity.json
 
 schemas: install
 	$(BIN)/python -m schemas.export

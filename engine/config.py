@@ -54,11 +54,14 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False  # benchmarks generate a fixed number of tokens
     json_schema: str | None = None  # constrain the output to JSON valid under this schema (xgrammar)
+    stop: tuple[str, ...] = ()  # finish when the text contains one of these; it is cut from the result
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")

@@ -281,10 +281,25 @@ class Engine:
                 continue
             seq.token_ids.append(token)
             seq.request.push(token, now)
-            if seq.num_output >= params.max_new_tokens or len(seq.token_ids) >= self.max_context:
+            if params.stop and self._hit_stop(seq):
+                self._finish(seq, "stop")
+            elif seq.num_output >= params.max_new_tokens or len(seq.token_ids) >= self.max_context:
                 self._finish(seq, "length")
             elif seq.matcher is not None and seq.matcher.is_terminated():
                 self._finish(seq, "stop")
+
+    def _hit_stop(self, seq: Sequence) -> bool:
+        """Whether the output now contains a stop string; if so, remembers the text before it.
+
+        Only the tail that can hold a new match is decoded each step (a stop string is at most a
+        few tokens long), so the check stays cheap as outputs grow."""
+        stops = seq.request.params.stop
+        tail = self.decode(seq.output_ids[-(max(map(len, stops)) + 8) :])
+        if not any(s in tail for s in stops):
+            return False
+        text = self.decode(seq.output_ids)
+        seq.final_text = text[: min(i for s in stops if (i := text.find(s)) >= 0)]
+        return True
 
     def _finish(self, seq: Sequence, reason: str | None, error: EngineError | None = None) -> None:
         self.scheduler.finish(seq)
@@ -294,7 +309,8 @@ class Engine:
             return
         self._num_finished += 1
         self._num_tokens += seq.num_output
-        seq.request.finish(reason, self.decode(seq.output_ids), time.perf_counter())  # type: ignore[arg-type]
+        text = seq.final_text if seq.final_text is not None else self.decode(seq.output_ids)
+        seq.request.finish(reason, text, time.perf_counter())  # type: ignore[arg-type]
 
 
 def _eos_ids(loaded: LoadedModel) -> frozenset[int]:

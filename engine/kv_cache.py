@@ -62,6 +62,9 @@ class KVCache:
         return key.permute(1, 0, 2).unsqueeze(0), value.permute(1, 0, 2).unsqueeze(0)
 
 
-def slots_of(table: list[int], num_tokens: int, block_size: int, start: int = 0) -> list[int]:
-    """Flat slot indices of tokens [start, num_tokens) of a sequence with this block table."""
-    return [table[i // block_size] * block_size + i % block_size for i in range(start, num_tokens)]
+def slots_of(table: list[int], num_tokens: int, block_size: int, start: int = 0) -> torch.Tensor:
+    """Flat slot indices (long) of tokens [start, num_tokens) of a sequence with this block table."""
+    blocks = torch.tensor(table[start // block_size : -(-num_tokens // block_size)], dtype=torch.long)
+    slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()  # (nb * bs,)
+    offset = start - start // block_size * block_size
+    return slots[offset : offset + num_tokens - start]

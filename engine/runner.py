@@ -41,7 +41,7 @@ class ModelRunner:
         """The sampled token of each chunk that reaches its sequence's end (None for the others)."""
         ids: list[int] = []
         positions: list[int] = []
-        new_slots: list[int] = []
+        new_slots: list[torch.Tensor] = []
         seqs: list[SeqSlice] = []
         last_rows: list[int] = []
         for chunk in plan:
@@ -51,12 +51,12 @@ class ModelRunner:
                 SeqSlice(
                     q_start=len(ids),
                     q_len=chunk.num_tokens,
-                    kv_slots=torch.tensor(slots_of(table, end, self.block_size), device=self.device),
+                    kv_slots=slots_of(table, end, self.block_size).to(self.device),
                 )
             )
             ids += chunk.seq.token_ids[chunk.start : end]
             positions += range(chunk.start, end)
-            new_slots += slots_of(table, end, self.block_size, start=chunk.start)
+            new_slots.append(slots_of(table, end, self.block_size, start=chunk.start))
             if chunk.samples:
                 last_rows.append(len(ids) - 1)
         # Decodes without a sliding window share one padded attention call per layer.
@@ -66,7 +66,7 @@ class ModelRunner:
         decodes = [] if sliding else [s for s in seqs if s.q_len == 1]
         batch = StepBatch(
             self.cache,
-            torch.tensor(new_slots, device=self.device),
+            torch.cat(new_slots).to(self.device),
             [s for s in seqs if s.q_len > 1 or sliding],
             group_decodes(decodes, self.device),
         )

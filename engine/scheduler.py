@@ -4,7 +4,7 @@ Policy, in order, within a per-step token budget:
 1. decode-first: every running sequence that has finished its prompt gets its next token;
 2. chunked prefill: sequences still reading their prompt get the budget that is left;
    waiting sequences join them when the engine opens admission, up to `max_running`. Prefill is
-   ordered by length bucket (shortest first), then age; preempted sequences go first.
+   ordered by remaining prompt length (shortest first), then age; preempted sequences go first.
 When the block pool cannot hold a decode, the youngest running sequence is preempted: its blocks
 are freed and it goes back to the front of the queue to be recomputed later (its generated tokens
 are kept, so its output does not change). Pure bookkeeping over `BlockManager`: no tensors.
@@ -23,7 +23,6 @@ from engine.sequence import Sequence, Status
 class SchedulerConfig:
     max_running: int
     max_tokens_per_step: int
-    bucket_tokens: int = 256  # prompts within the same 256-token band prefill together
 
     def __post_init__(self) -> None:
         if self.max_running < 1 or self.max_tokens_per_step < self.max_running:
@@ -88,13 +87,13 @@ class Scheduler:
                 plan.append(self._take(seq, 1))
                 budget -= 1
         # Prefill: running prompts and (when admission is open) waiting ones share what is left,
-        # shortest length bucket first, oldest first within a bucket. Similar lengths prefill
-        # together, and a short newcomer is not queued behind a 2,000-character document.
+        # shortest remaining prompt first (then oldest). Similar lengths prefill together, and a
+        # short newcomer is not queued behind a 2,000-character document.
         planned = {id(c.seq) for c in plan}
         candidates = [s for s in self.running if id(s) not in planned and not s.is_decoding]
         if admit:
             candidates += list(self.waiting)
-        candidates.sort(key=lambda s: (s.num_preemptions == 0, self._bucket(s), s.request.arrived_at))
+        candidates.sort(key=lambda s: (s.num_preemptions == 0, s.num_pending, s.request.arrived_at))
         for seq in candidates:
             if budget <= 0:
                 break
@@ -120,9 +119,6 @@ class Scheduler:
         """Tokens the sequence can still add with its own blocks plus the free pool."""
         capacity = (len(self.blocks.table(seq.seq_id)) + self.blocks.num_free) * self.blocks.block_size
         return capacity - seq.num_computed
-
-    def _bucket(self, seq: Sequence) -> int:
-        return seq.num_pending // self.config.bucket_tokens
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -28,6 +28,7 @@ class Sequence:
     num_preemptions: int = 0
     matcher: Any = None  # xgrammar GrammarMatcher, created on the runner thread on first use
     generator: torch.Generator | None = field(default=None, repr=False)
+    final_text: str | None = None  # set when a stop string ended the sequence: the text before it
 
     @classmethod
     def of(cls, seq_id: int, request: Request) -> Sequence:

@@ -119,7 +119,9 @@ async def test_kv_accounting_is_exact(tiny: LoadedModel) -> None:
 
 
 async def test_batch_stops_each_sequence_where_generate_alone_stops(tiny: LoadedModel) -> None:
-    engine = make_engine(tiny, dynamic_batching=True, max_batch_size=8, batch_window_ms=50)
+    engine = make_engine(
+        tiny, dynamic_batching=True, max_batch_size=8, batch_window_ms=50, max_tokens_per_step=16
+    )
     async with engine:
         ids = [engine.format_chat([{"role": "user", "content": p}]) for p in PROMPTS]
         results = await asyncio.gather(*(engine.generate(i, SamplingParams(max_new_tokens=40)) for i in ids))
@@ -200,3 +202,19 @@ def test_start_up_self_test_passes() -> None:
     from engine.selftest import self_test
 
     self_test()
+
+
+async def test_stop_string_ends_the_request_and_is_cut(tiny: LoadedModel) -> None:
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    async with make_engine(tiny) as engine:
+        ids = engine.format_chat([{"role": "user", "content": "hello"}])
+        free = await engine.generate(ids, params)
+        text = free.text
+        # A stop string taken from the middle of the unconstrained output (whole characters only).
+        clean = [i for i in range(1, len(text) - 1) if "\ufffd" not in text[i : i + 2]]
+        assert clean, f"no whole-character pair in {text!r}"
+        stop = text[clean[len(clean) // 2] : clean[len(clean) // 2] + 2]
+        cut = await engine.generate(ids, SamplingParams(max_new_tokens=30, ignore_eos=True, stop=(stop,)))
+    assert cut.finish_reason == "stop"
+    assert cut.text == text[: text.find(stop)]
+    assert len(cut.token_ids) < len(free.token_ids)
