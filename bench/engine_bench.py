@@ -261,7 +261,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--docs", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=96)
-    parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--max-batch", type=int, default=32)
     parser.add_argument("--step-tokens", type=int, default=512)
     parser.add_argument("--rate", type=float, default=0.5, help="stream arrivals per second")
     parser.add_argument(
