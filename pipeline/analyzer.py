@@ -18,7 +18,7 @@ from opentelemetry import trace
 from engine import EngineError, EngineStats, GenerationResult, SamplingParams
 from pipeline.codec import Document
 from prompts import AnalysisParseError, Prompt, parse_analysis, render, render_repair
-from schemas import Analysis, DeadLetterReason, DocumentKind, analysis_json_schema
+from schemas import Analysis, DeadLetterReason, DocumentKind, Language, analysis_json_schema
 
 
 class AnalysisEngine(Protocol):
@@ -61,10 +61,11 @@ class Analyzer:
         self.engine = engine
         self.tracer = tracer
         self.params = {
-            kind: SamplingParams(
-                max_new_tokens=max_new_tokens, json_schema=json.dumps(analysis_json_schema(kind))
+            (kind, language): SamplingParams(
+                max_new_tokens=max_new_tokens, json_schema=json.dumps(analysis_json_schema(kind, language))
             )
             for kind in DocumentKind
+            for language in Language
         }
         self.max_new_tokens = max_new_tokens
         self.attempts = attempts
@@ -87,7 +88,9 @@ class Analyzer:
                 }
             )
             for attempt in range(1, self.attempts + 1):
-                result, submitted = await self._generate(prompt, self.params[document.kind], attempt)
+                result, submitted = await self._generate(
+                    prompt, self.params[document.kind, document.language], attempt
+                )
                 prompt_tokens += result.prompt_tokens
                 output_tokens += result.output_tokens
                 if first is None:

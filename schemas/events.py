@@ -126,10 +126,25 @@ class Analysis(_Wire):
     triage: Triage | None = None
 
 
-def analysis_json_schema(kind: DocumentKind) -> dict[str, Any]:
-    """The JSON Schema a model's answer must match for this kind: triage required for complaints,
-    absent otherwise. Handed to the engine's constrained decoder as data."""
+# What a model may write, per language: (characters per sentence, characters per list item), and
+# items per list. Tighter than the wire model, so that a constrained answer always closes within
+# the generation budget (MAX_NEW_TOKENS, default 1,024) even when a small model would rather copy
+# the document: worst case about 1,300 characters of Chinese or 2,500 of English.
+ANSWER_BOUNDS = {Language.ZH: (120, 80), Language.EN: (300, 160)}
+ANSWER_MAX_ITEMS = 4
+
+
+def analysis_json_schema(kind: DocumentKind, language: Language = Language.EN) -> dict[str, Any]:
+    """The JSON Schema a model's answer must match for this kind and language: triage required for
+    complaints, absent otherwise; lengths bounded. Handed to the engine's constrained decoder."""
     schema = Analysis.model_json_schema()
+    sentence, item = ANSWER_BOUNDS[language]
+    schema["properties"]["core_viewpoint"]["maxLength"] = sentence
+    schema["$defs"]["Sentiment"]["properties"]["rationale"]["maxLength"] = sentence
+    for name in ("facts", "data", "conclusions"):
+        field_schema = schema["$defs"]["KeyInformation"]["properties"][name]
+        field_schema["maxItems"] = ANSWER_MAX_ITEMS
+        field_schema["items"]["maxLength"] = item
     if kind is DocumentKind.COMPLAINT:
         schema["properties"]["triage"] = {"$ref": "#/$defs/Triage"}
         schema["required"] = [*schema["required"], "triage"]

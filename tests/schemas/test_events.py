@@ -5,7 +5,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from schemas import Analysis, DocumentEvent, DocumentKind, analysis_json_schema, event_id_for
+from schemas import Analysis, DocumentEvent, DocumentKind, Language, analysis_json_schema, event_id_for
+from schemas.events import ANSWER_BOUNDS, ANSWER_MAX_ITEMS
 from schemas.export import EXPORTED, JSON_DIR, render
 
 
@@ -51,3 +52,13 @@ def test_analysis_bounds_its_lists() -> None:
     }
     with pytest.raises(ValidationError):
         Analysis.model_validate(base)
+
+
+@pytest.mark.parametrize("language", list(Language))
+def test_answer_schema_bounds_every_string_and_list(language: Language) -> None:
+    schema = analysis_json_schema(DocumentKind.COMPLAINT, language)
+    key_info = schema["$defs"]["KeyInformation"]["properties"]
+    assert all(key_info[n]["maxItems"] == ANSWER_MAX_ITEMS for n in ("facts", "data", "conclusions"))
+    assert all("maxLength" in key_info[n]["items"] for n in ("facts", "data", "conclusions"))
+    assert schema["properties"]["core_viewpoint"]["maxLength"] == ANSWER_BOUNDS[language][0]
+    assert "maxLength" in schema["$defs"]["Triage"]["properties"]["category"]
