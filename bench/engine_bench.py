@@ -17,7 +17,6 @@ Plus `ttft_isolation`: a short request's time to first token alone vs while long
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import platform
@@ -33,6 +32,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from bench import common
 from engine import Engine, EngineConfig, SamplingParams
 from engine.loader import LoadedModel, load_model
 from prompts import render
@@ -250,14 +250,7 @@ def ttft_isolation(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--model",
-        type=Path,
-        default=Path.home() / ".cache/deepanalyze/models/qwen2.5-coder-0.5b-instruct-bf16",
-    )
+    parser = common.parser(__doc__)
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--docs", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=96)
@@ -271,6 +264,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results/engine.json"))
     args = parser.parse_args()
     console = Console(width=150)
+    args.model = common.model_path(args.model)
     loaded = load_model(args.model, dtype=args.dtype)
     prompts = load_prompts(loaded, args.docs)
     n, variants = args.new_tokens, args.variants.split(",")

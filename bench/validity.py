@@ -8,7 +8,6 @@ Prints a table per kind x language, writes JSON, and exits non-zero if any analy
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import time
@@ -19,6 +18,7 @@ from opentelemetry import trace
 from rich.console import Console
 from rich.table import Table
 
+from bench import common
 from engine import Engine, EngineConfig
 from pipeline.analyzer import AnalysisFailed, Analyzer
 from pipeline.client import load_documents
@@ -73,20 +73,13 @@ async def run(model: Path, max_batch: int) -> list[dict[str, object]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--model",
-        type=Path,
-        default=Path.home() / ".cache/deepanalyze/models/qwen2.5-coder-0.5b-instruct-bf16",
-    )
+    parser = common.parser(__doc__)
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--out", type=Path, default=Path("bench/results/validity.json"))
     args = parser.parse_args()
     console = Console(width=120)
     started = time.perf_counter()
-    results = asyncio.run(run(args.model, args.max_batch))
+    results = asyncio.run(run(common.model_path(args.model), args.max_batch))
     wall = time.perf_counter() - started
     table = Table("kind", "language", "documents", "valid", "valid on 1st attempt", title="schema validity")
     cells = Counter((r["kind"], r["language"]) for r in results)

@@ -27,7 +27,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig, SamplingParams
 from engine.kv_cache import KVCache, KVShape
 from engine.loader import LoadedModel, load_model
-from engine.request import EngineError, GenerationResult, Request, RequestHandle, id_counter
+from engine.request import EngineError, FinishReason, GenerationResult, Request, RequestHandle, id_counter
 from engine.runner import ModelRunner
 from engine.scheduler import Chunk, Scheduler, SchedulerConfig
 from engine.sequence import Sequence, Status
@@ -301,7 +301,7 @@ class Engine:
         seq.final_text = text[: min(i for s in stops if (i := text.find(s)) >= 0)]
         return True
 
-    def _finish(self, seq: Sequence, reason: str | None, error: EngineError | None = None) -> None:
+    def _finish(self, seq: Sequence, reason: FinishReason | None, error: EngineError | None = None) -> None:
         self.scheduler.finish(seq)
         self._sequences.pop(seq.seq_id, None)
         if error is not None:
@@ -310,7 +310,7 @@ class Engine:
         self._num_finished += 1
         self._num_tokens += seq.num_output
         text = seq.final_text if seq.final_text is not None else self.decode(seq.output_ids)
-        seq.request.finish(reason, text, time.perf_counter())  # type: ignore[arg-type]
+        seq.request.finish(reason or "stop", text, time.perf_counter())
 
 
 def _eos_ids(loaded: LoadedModel) -> frozenset[int]:

@@ -13,6 +13,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from engine.attention import SeqSlice, StepBatch, group_decodes
+from engine.block_manager import BlockManager
 from engine.grammar import GrammarCompiler, allocate_bitmask, apply_bitmask
 from engine.kv_cache import KVCache, slots_of
 from engine.loader import LoadedModel
@@ -21,13 +22,13 @@ from engine.sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, cache: KVCache, block_tables: object) -> None:
+    def __init__(self, loaded: LoadedModel, cache: KVCache, blocks: BlockManager) -> None:
         self.model = loaded.model
         self.device = loaded.device
         self.tokenizer = loaded.tokenizer
         self.cache = cache
         self.block_size = cache.block_size
-        self.tables = block_tables  # BlockManager: read-only here
+        self.blocks = blocks  # read-only here: the scheduler owns allocation
         self.vocab_size = int(self.model.config.vocab_size)
         self._grammar: GrammarCompiler | None = None
 
@@ -46,7 +47,7 @@ class ModelRunner:
         last_rows: list[int] = []
         for chunk in plan:
             end = chunk.start + chunk.num_tokens
-            table = self.tables.table(chunk.seq.seq_id)  # type: ignore[attr-defined]
+            table = self.blocks.table(chunk.seq.seq_id)
             seqs.append(
                 SeqSlice(
                     q_start=len(ids),
