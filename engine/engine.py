@@ -60,10 +60,6 @@ class EngineStats:
         """Mean sequences per step as a share of the most allowed."""
         return self.mean_batch_size / self.max_batch_size if self.max_batch_size else 0.0
 
-    @property
-    def num_batches(self) -> int:
-        return self.num_steps
-
 
 def pool_blocks(config: EngineConfig, shape: KVShape, device: torch.device) -> int:
     """Blocks that fit the KV byte budget: KV_CACHE_BYTES, else a share of free memory."""

@@ -59,7 +59,7 @@ class Request:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_ids)
 
-    # Called on the event loop (the runner thread hops over with call_soon_threadsafe).
+    # Called on the event loop, by the engine's step loop.
     def push(self, token_id: int, now: float) -> None:
         if self.first_token_at is None:
             self.first_token_at = now

@@ -5,7 +5,9 @@ that changes what reaches the attention function, before any real document is an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -25,17 +27,25 @@ _PROMPTS = [
 ]
 
 
-@torch.inference_mode()
-def _recompute(tiny: LoadedModel, ids: list[int], n: int) -> list[int]:
-    previous = tiny.model.config._attn_implementation
-    tiny.model.set_attn_implementation("sdpa")
+@contextlib.contextmanager
+def stock_attention(loaded: LoadedModel) -> Iterator[None]:
+    """The model with transformers' own SDPA attention, for references outside the engine."""
+    previous = loaded.model.config._attn_implementation
+    loaded.model.set_attn_implementation("sdpa")
     try:
-        seq = list(ids)
-        for _ in range(n):
-            seq.append(int(tiny.model(torch.tensor([seq])).logits[0, -1].argmax()))
-        return seq[len(ids) :]
+        yield
     finally:
-        tiny.model.set_attn_implementation(previous)
+        loaded.model.set_attn_implementation(previous)
+
+
+@torch.inference_mode()
+def recompute(loaded: LoadedModel, ids: list[int], n: int) -> list[int]:
+    """Greedy decoding by full recomputation, one request alone, EOS ignored (no cache involved)."""
+    seq = list(ids)
+    with stock_attention(loaded):
+        for _ in range(n):
+            seq.append(int(loaded.model(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(ids) :]
 
 
 async def _check(architecture: Architecture) -> None:
@@ -49,7 +59,7 @@ async def _check(architecture: Architecture) -> None:
         ids = [engine.format_chat([{"role": "user", "content": p}]) for p in _PROMPTS]
         results = await asyncio.gather(*(engine.generate(i, params) for i in ids))
     for prompt_ids, result in zip(ids, results, strict=True):
-        if result.token_ids != _recompute(tiny, prompt_ids, 6):
+        if result.token_ids != recompute(tiny, prompt_ids, 6):
             raise EngineError(f"engine self-test failed on a tiny {architecture} model: outputs differ")
 
 

@@ -102,9 +102,13 @@ def is_prepared(folder: Path) -> bool:
         return False
 
 
+def default_model_folder(cache_dir: Path) -> Path:
+    return cache_dir / "models" / f"{DEFAULT_MODEL_NAME}-bf16"
+
+
 def prepare_default_model(cache_dir: Path, progress: Progress | None = None) -> Path:
     """The converted default model folder, converting it on first use."""
-    folder = cache_dir / "models" / f"{DEFAULT_MODEL_NAME}-bf16"
+    folder = default_model_folder(cache_dir)
     if is_prepared(folder):
         return folder
     parts = part_files()

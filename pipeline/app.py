@@ -15,7 +15,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 
 from engine import Engine, EngineConfig
 from engine.selftest import self_test
-from engine.weights import is_prepared, prepare_default_model
+from engine.weights import default_model_folder, is_prepared, prepare_default_model
 from pipeline.http import serve_status
 from pipeline.service import Service
 from pipeline.settings import Settings
@@ -40,10 +40,7 @@ def resolve_model_path(settings: Settings) -> Path:
     """MODEL_PATH, or the default model (converted on first use, with a progress bar)."""
     if settings.model_path is not None:
         return settings.model_path
-    from engine.weights import DEFAULT_MODEL_NAME
-
-    folder = settings.model_cache_dir / "models" / f"{DEFAULT_MODEL_NAME}-bf16"
-    if is_prepared(folder):
+    if is_prepared(folder := default_model_folder(settings.model_cache_dir)):
         return folder
     with _progress_bar() as progress:
         return prepare_default_model(settings.model_cache_dir, progress)

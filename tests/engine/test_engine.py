@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,6 +11,8 @@ import torch
 
 from engine import Engine, EngineConfig, EngineError, GenerationResult, SamplingParams
 from engine.loader import LoadedModel
+from engine.selftest import recompute as reference
+from engine.selftest import stock_attention
 from engine.tiny import build_tiny
 
 PROMPTS = [
@@ -33,27 +33,6 @@ def make_engine(tiny: LoadedModel, **overrides: object) -> Engine:
     options: dict[str, object] = {"kv_cache_bytes": 1 << 24, **overrides}
     config = EngineConfig(model_path=Path("unused"), dtype="float32", **options)  # type: ignore[arg-type]
     return Engine(config, tiny)
-
-
-@contextlib.contextmanager
-def stock_attention(tiny: LoadedModel) -> Iterator[None]:
-    """The model with transformers' own SDPA attention, for references outside the engine."""
-    previous = tiny.model.config._attn_implementation
-    tiny.model.set_attn_implementation("sdpa")
-    try:
-        yield
-    finally:
-        tiny.model.set_attn_implementation(previous)
-
-
-@torch.inference_mode()
-def reference(tiny: LoadedModel, ids: list[int], n: int) -> list[int]:
-    """Greedy decoding by full recomputation, one request alone, EOS ignored (no cache involved)."""
-    seq = list(ids)
-    with stock_attention(tiny):
-        for _ in range(n):
-            seq.append(int(tiny.model(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(ids) :]
 
 
 def generate_alone(tiny: LoadedModel, ids: list[int], n: int) -> list[int]:
