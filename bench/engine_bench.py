@@ -7,6 +7,8 @@ threads, greedy):
   3. hf_generate_batch   transformers' own continuous batching (`generate_batch`), all at once
   4. engine_static       our engine, DYNAMIC_BATCHING=false
   5. engine_dynamic      our engine, DYNAMIC_BATCHING=true
+  6. engine_dynamic_noprefix  the same with prefix caching off: how much of (5) the shared
+     instruction prefix of the analysis prompts is worth
 Scenarios: `burst` (every request arrives at t=0) and `stream` (open-loop Poisson arrivals; the
 one-at-a-time generate serves them in arrival order; static batches and `generate_batch` cannot
 take a stream and run the burst only).
@@ -191,11 +193,12 @@ def engine_run(
     dynamic: bool,
     max_batch: int,
     budget: int,
+    prefix_caching: bool = True,
 ) -> Run:
     async def go() -> Run:
         config = EngineConfig(
             model_path=Path("bench"), dynamic_batching=dynamic, max_batch_size=max_batch,
-            kv_cache_bytes=1 << 30, max_tokens_per_step=budget,
+            kv_cache_bytes=1 << 30, max_tokens_per_step=budget, prefix_caching=prefix_caching,
         )  # fmt: skip
         engine = Engine(config, loaded)
         params = SamplingParams(max_new_tokens=n, ignore_eos=True)
@@ -210,27 +213,32 @@ def engine_run(
             wall = time.perf_counter() - start
             stats = engine.stats()
         return Run(
-            "engine_dynamic" if dynamic else "engine_static", "", wall, sum(r.output_tokens for r in results),
+            "", "", wall, sum(r.output_tokens for r in results),
             [r.total_s for r in results], [r.ttft_s for r in results], 0.0, stats.kv_total_bytes,
-            {"mean_batch": stats.mean_batch_size, "largest_batch": stats.largest_batch, "steps": stats.num_steps},
+            {"mean_batch": stats.mean_batch_size, "largest_batch": stats.largest_batch, "steps": stats.num_steps,
+             "prefix_hit_tokens": stats.prefix_hit_tokens, "prompt_tokens": sum(map(len, prompts))},
         )  # fmt: skip
 
     return asyncio.run(go())
 
 
 def ttft_isolation(
-    loaded: LoadedModel, prompts: list[list[int]], max_batch: int, budget: int
+    loaded: LoadedModel, prompts: list[list[int]], max_batch: int, budget: int, prefix_caching: bool
 ) -> dict[str, Any]:
-    """A short request's TTFT alone, then arriving while long prompts are being prefilled."""
+    """A short request's TTFT alone, then arriving while long prompts are being prefilled.
+
+    One unmeasured solo run first, so that with prefix caching both measurements see the same
+    warm cache (the short request's instruction prefix already computed)."""
     short = min(prompts, key=len)
     longs = sorted(prompts, key=len)[-4:]
 
     async def go() -> dict[str, Any]:
         config = EngineConfig(
             model_path=Path("bench"), dynamic_batching=True, max_batch_size=max_batch,
-            kv_cache_bytes=1 << 30, max_tokens_per_step=budget,
+            kv_cache_bytes=1 << 30, max_tokens_per_step=budget, prefix_caching=prefix_caching,
         )  # fmt: skip
         async with Engine(config, loaded) as engine:
+            await engine.generate(short, SamplingParams(max_new_tokens=4))
             solo = [(await engine.generate(short, SamplingParams(max_new_tokens=4))).ttft_s for _ in range(5)]
             busy = []
             for _ in range(5):
@@ -241,7 +249,7 @@ def ttft_isolation(
                 busy.append((await engine.generate(short, SamplingParams(max_new_tokens=4))).ttft_s)
                 await asyncio.gather(*(h.result() for h in background))
         return {
-            "short_prompt_tokens": len(short), "long_prompt_tokens": [len(p) for p in longs],
+            "prefix_caching": prefix_caching, "short_prompt_tokens": len(short), "long_prompt_tokens": [len(p) for p in longs],
             "solo_ttft_s": solo, "busy_ttft_s": busy,
             "solo_p95_s": _pct(solo, 95), "busy_p95_s": _pct(busy, 95), "ratio": _pct(busy, 95) / _pct(solo, 95),
         }  # fmt: skip
@@ -259,8 +267,10 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=0.5, help="stream arrivals per second")
     parser.add_argument(
         "--variants",
-        default="hf_generate_1,hf_generate_static4,hf_generate_batch,engine_static,engine_dynamic",
+        default="hf_generate_1,hf_generate_static4,hf_generate_batch,engine_static,engine_dynamic,"
+        "engine_dynamic_noprefix",
     )
+    parser.add_argument("--scenarios", default="burst,stream")
     parser.add_argument("--out", type=Path, default=Path("bench/results/engine.json"))
     args = parser.parse_args()
     console = Console(width=150)
@@ -272,6 +282,8 @@ def main() -> None:
     stream = arrivals(len(prompts), args.rate)
     plan: list[tuple[str, str, Callable[[], Run]]] = []
     for scenario, at in (("burst", burst), ("stream", stream)):
+        if scenario not in args.scenarios.split(","):
+            continue
         if "hf_generate_1" in variants:
             plan.append(("hf_generate_1", scenario, lambda at=at: hf_generate(loaded, prompts, n, at, 1)))
         if "hf_generate_static4" in variants and scenario == "burst":
@@ -280,10 +292,12 @@ def main() -> None:
             )
         if "hf_generate_batch" in variants and scenario == "burst":
             plan.append(("hf_generate_batch", scenario, lambda: hf_generate_batch(loaded, prompts, n)))
-        for dynamic, name in ((False, "engine_static"), (True, "engine_dynamic")):
+        engines = (("engine_static", False, True), ("engine_dynamic", True, True),
+                   ("engine_dynamic_noprefix", True, False))  # fmt: skip
+        for name, dynamic, prefix in engines:
             if name in variants:
-                plan.append((name, scenario, lambda at=at, d=dynamic: engine_run(
-                    loaded, prompts, n, at, d, args.max_batch, args.step_tokens)))  # fmt: skip
+                plan.append((name, scenario, lambda at=at, d=dynamic, p=prefix: engine_run(
+                    loaded, prompts, n, at, d, args.max_batch, args.step_tokens, p)))  # fmt: skip
     runs = []
     for name, scenario, fn in plan:
         console.print(f"running {name} / {scenario} ...")
@@ -293,9 +307,9 @@ def main() -> None:
         runs.append(run)
         console.print(f"  {run.row()['tok_s']:.1f} tok/s in {run.wall_s:.1f} s")
     isolation = (
-        ttft_isolation(loaded, prompts, args.max_batch, args.step_tokens)
+        [ttft_isolation(loaded, prompts, args.max_batch, args.step_tokens, p) for p in (True, False)]
         if "engine_dynamic" in variants
-        else None
+        else []
     )
 
     table = Table("variant", "scenario", "tok/s", "req/s", "p50 s", "p95 s", "TTFT p50", "TTFT p95", "peak RSS MiB", "KV MiB",
@@ -318,12 +332,20 @@ def main() -> None:
                 )
             if peer is not None and run.scenario == "burst":
                 ratios["burst: engine_dynamic / hf_generate_batch tok/s"] = tok / (peer.tokens / peer.wall_s)
+            plain = next(
+                (r for r in runs if r.variant == "engine_dynamic_noprefix" and r.scenario == run.scenario),
+                None,
+            )
+            if plain is not None:
+                ratios[f"{run.scenario}: engine_dynamic / engine_dynamic_noprefix tok/s"] = tok / (
+                    plain.tokens / plain.wall_s
+                )
     for key, value in ratios.items():
         console.print(f"{key}: {value:.2f}x")
-    if isolation:
-        console.print(f"TTFT isolation: short request ({isolation['short_prompt_tokens']} tokens) p95 alone "
-                      f"{isolation['solo_p95_s']:.2f} s, during long prefills {isolation['busy_p95_s']:.2f} s "
-                      f"({isolation['ratio']:.2f}x)")  # fmt: skip
+    for iso in isolation:
+        console.print(f"TTFT isolation, prefix caching {'on' if iso['prefix_caching'] else 'off'}: short request "
+                      f"({iso['short_prompt_tokens']} tokens) p95 alone {iso['solo_p95_s']:.2f} s, during long "
+                      f"prefills {iso['busy_p95_s']:.2f} s ({iso['ratio']:.2f}x)")  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "machine": {"cpu_count": torch.get_num_threads(), "platform": platform.platform(), "torch": torch.__version__,

@@ -1,21 +1,39 @@
-"""The KV block pool's bookkeeping: which blocks are free, which sequence owns which.
+"""The KV block pool's bookkeeping: which blocks are free, which sequences use which, which hold
+a known prefix.
 
 Pure accounting, no tensors: the pool is `num_blocks` blocks of `block_size` token slots; a
 sequence owns a block table (list of block ids) covering its computed tokens. Slot `s` of block
 `b` is flat slot `b * block_size + s` in the cache tensors.
+
+Prefix caching: once a block is full of computed tokens it is registered under a hash of its
+tokens chained with the hash of everything before it, so the key names the whole prefix. A new
+sequence whose leading blocks match adopts them (reference counted) instead of recomputing them;
+every analysis prompt starts with the same few hundred tokens of instructions. A freed block keeps
+its contents and registration while it sits in the free queue and is evicted least recently freed
+first, so "free" still means "available": cached blocks cost nothing when memory is needed.
 """
 
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of one slot, got {num_blocks} x {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self.prefix_caching = prefix_caching
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # evict from the front
+        self._refs = [0] * num_blocks
         self._tables: dict[int, list[int]] = {}
+        self._hashes: dict[int, list[bytes]] = {}  # per sequence: the keys of its registered full blocks
+        self._cached: dict[bytes, int] = {}  # prefix key -> block holding that block of tokens
+        self._key_of: dict[int, bytes] = {}  # the inverse, for eviction
+        self.num_cache_hits = 0  # blocks adopted instead of computed, since start
 
     @property
     def num_free(self) -> int:
@@ -24,6 +42,11 @@ class BlockManager:
     @property
     def num_used(self) -> int:
         return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks whose contents are registered as a reusable prefix (in use or free)."""
+        return len(self._cached)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -44,11 +67,73 @@ class BlockManager:
         if missing > len(self._free):
             raise MemoryError(f"sequence {seq_id} needs {missing} blocks, {len(self._free)} free")
         table = self._tables.setdefault(seq_id, [])
-        table.extend(self._free.pop() for _ in range(missing))
+        for _ in range(missing):
+            block, _ = self._free.popitem(last=False)
+            key = self._key_of.pop(block, None)
+            if key is not None:  # evict: its old contents are about to be overwritten
+                del self._cached[key]
+            self._refs[block] = 1
+            table.append(block)
         return table
 
+    def adopt_prefix(self, seq_id: int, token_ids: Sequence[int]) -> int:
+        """Gives a sequence without blocks the cached blocks of its longest known prefix.
+
+        Returns the number of tokens whose keys and values are thereby already computed. At least
+        one token is always left to compute: its logits give the sequence's next token.
+        """
+        if not self.prefix_caching or self.table(seq_id):
+            return 0
+        table: list[int] = []
+        keys: list[bytes] = []
+        key = b""
+        for i in range((len(token_ids) - 1) // self.block_size):
+            key = _block_key(key, token_ids[i * self.block_size : (i + 1) * self.block_size])
+            block = self._cached.get(key)
+            if block is None:
+                break
+            if self._refs[block] == 0:
+                del self._free[block]
+            self._refs[block] += 1
+            table.append(block)
+            keys.append(key)
+        if table:
+            self._tables[seq_id] = table
+            self._hashes[seq_id] = keys
+            self.num_cache_hits += len(table)
+        return len(table) * self.block_size
+
+    def register(self, seq_id: int, token_ids: Sequence[int], num_computed: int) -> None:
+        """Registers the sequence's blocks that are now full of computed tokens as known prefixes."""
+        if not self.prefix_caching:
+            return
+        table = self.table(seq_id)
+        keys = self._hashes.setdefault(seq_id, [])
+        size = self.block_size
+        for i in range(len(keys), min(num_computed // size, len(table))):
+            key = _block_key(keys[-1] if keys else b"", token_ids[i * size : (i + 1) * size])
+            keys.append(key)
+            block = table[i]
+            if key not in self._cached and block not in self._key_of:
+                self._cached[key] = block
+                self._key_of[block] = key
+
     def free(self, seq_id: int) -> int:
-        """Returns every block of the sequence to the pool; the number returned."""
+        """Releases every block of the sequence; the number it held. Blocks no one uses return to
+        the pool: unregistered ones at the front (reused first), cached ones at the back."""
         table = self._tables.pop(seq_id, [])
-        self._free.extend(reversed(table))
+        self._hashes.pop(seq_id, None)
+        for block in reversed(table):
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self._free[block] = None
+                if block not in self._key_of:
+                    self._free.move_to_end(block, last=False)
         return len(table)
+
+
+def _block_key(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """A collision-resistant name for a block of tokens and everything before it."""
+    digest = hashlib.blake2b(parent, digest_size=16)
+    digest.update(b"".join(t.to_bytes(4, "little") for t in tokens))
+    return digest.digest()

@@ -23,6 +23,7 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.2
     block_size: int = 16  # tokens per KV block
     max_tokens_per_step: int = 512  # prefill chunks + decodes in one forward
+    prefix_caching: bool = True  # reuse the KV blocks of a prompt prefix already computed
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's default
 
     def __post_init__(self) -> None:

@@ -54,6 +54,9 @@ class EngineStats:
     kv_total_bytes: int
     kv_used_bytes: int
     kv_bytes_per_token: int
+    prefix_caching: bool
+    prefix_cached_blocks: int  # blocks holding a registered prefix, in use or evictable
+    prefix_hit_tokens: int  # prompt tokens adopted from the cache instead of computed, since start
 
     @property
     def batch_occupancy(self) -> float:
@@ -83,7 +86,7 @@ class Engine:
         loaded.model.set_attn_implementation(register())
         shape = KVShape.of(loaded.model.config, loaded.dtype)
         num_blocks = pool_blocks(config, shape, loaded.device)
-        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.prefix_caching)
         self.cache = KVCache(shape, num_blocks, config.block_size, loaded.device)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -210,6 +213,9 @@ class Engine:
             kv_total_bytes=self.blocks.num_blocks * bytes_per_block,
             kv_used_bytes=self.blocks.num_used * bytes_per_block,
             kv_bytes_per_token=self.cache.shape.bytes_per_token,
+            prefix_caching=self.config.prefix_caching,
+            prefix_cached_blocks=self.blocks.num_cached,
+            prefix_hit_tokens=self.blocks.num_cache_hits * self.blocks.block_size,
         )
 
     # -- the step loop ------------------------------------------------------------------------
@@ -268,7 +274,7 @@ class Engine:
             seq = chunk.seq
             if seq.status is Status.FINISHED:
                 continue
-            seq.num_computed = chunk.start + chunk.num_tokens
+            self.scheduler.computed(chunk)
             if token is None:
                 continue
             params = seq.request.params

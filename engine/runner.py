@@ -69,7 +69,7 @@ class ModelRunner:
             self.cache,
             torch.cat(new_slots).to(self.device),
             [s for s in seqs if s.q_len > 1 or sliding],
-            group_decodes(decodes, self.device),
+            group_decodes(decodes, self.cache.shape.num_kv_heads, self.device),
         )
         out = self.model(
             input_ids=torch.tensor([ids], device=self.device),  # (1, T)

@@ -7,7 +7,9 @@ Policy, in order, within a per-step token budget:
    ordered by remaining prompt length (shortest first), then age; preempted sequences go first.
 When the block pool cannot hold a decode, the youngest running sequence is preempted: its blocks
 are freed and it goes back to the front of the queue to be recomputed later (its generated tokens
-are kept, so its output does not change). Pure bookkeeping over `BlockManager`: no tensors.
+are kept, so its output does not change). A joining sequence first adopts the cached blocks of its
+longest known prefix (see `BlockManager.adopt_prefix`) and prefills only the rest.
+Pure bookkeeping over `BlockManager`: no tensors.
 """
 
 from __future__ import annotations
@@ -65,6 +67,12 @@ class Scheduler:
         self.blocks.free(seq.seq_id)
         seq.status = Status.FINISHED
 
+    def computed(self, chunk: Chunk) -> None:
+        """Records that the chunk's tokens are now in the cache (their blocks become reusable)."""
+        seq = chunk.seq
+        seq.num_computed = chunk.start + chunk.num_tokens
+        self.blocks.register(seq.seq_id, seq.token_ids, seq.num_computed)
+
     def schedule(self, admit: bool) -> list[Chunk]:
         while True:
             plan = self._plan(admit)
@@ -107,6 +115,10 @@ class Scheduler:
                 self.waiting.remove(seq)
                 seq.status = Status.RUNNING
                 self.running.append(seq)
+                seq.num_computed = self.blocks.adopt_prefix(seq.seq_id, seq.token_ids)
+                n = min(seq.num_pending, budget, self._room(seq))
+                if n <= 0:
+                    break
             plan.append(self._take(seq, n))
             budget -= n
         return plan

@@ -58,6 +58,7 @@ def engine_config(settings: Settings, model_path: Path) -> EngineConfig:
         kv_cache_bytes=settings.kv_cache_bytes,
         kv_cache_memory_fraction=settings.kv_cache_memory_fraction,
         max_tokens_per_step=settings.max_tokens_per_step,
+        prefix_caching=settings.prefix_caching,
     )
 
 

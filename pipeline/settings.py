@@ -62,6 +62,7 @@ class Settings(BaseSettings):
         default=None, ge=1, description="KV pool budget; default: a share of free memory."
     )
     kv_cache_memory_fraction: float = Field(default=0.2, gt=0, le=0.95)
+    prefix_caching: bool = Field(default=True, description="Reuse the KV blocks of shared prompt prefixes.")
     max_new_tokens: int = Field(default=1024, ge=16, le=8192)
     max_document_chars: int = Field(default=8_000, ge=1)
     generation_attempts: int = Field(default=2, ge=1, le=5, description="1 + the repair attempt.")

@@ -73,6 +73,34 @@ async def test_requests_joining_at_different_steps_with_chunked_prefill_match_al
     assert stats.kv_used_bytes == 0, "every block returned"
 
 
+async def test_prompts_sharing_a_prefix_reuse_its_blocks_and_match_alone(tiny: LoadedModel) -> None:
+    system = "You analyse documents. Answer with one JSON object: viewpoint, facts, data, sentiment."
+    engine = make_engine(
+        tiny, dynamic_batching=True, max_batch_size=4, batch_window_ms=0, max_tokens_per_step=16
+    )
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    async with engine:
+        ids = [
+            engine.format_chat([{"role": "system", "content": system}, {"role": "user", "content": p}])
+            for p in PROMPTS
+        ]
+        first = await engine.generate(ids[0], params)  # computes the shared prefix and registers it
+
+        async def late(i: int) -> GenerationResult:
+            await asyncio.sleep(0.01 * i)
+            return await engine.generate(ids[i], params)
+
+        rest = await asyncio.gather(*(late(i) for i in range(1, len(ids))))
+        stats = engine.stats()
+    common = next(n for n, column in enumerate(zip(*ids, strict=False)) if len(set(column)) > 1)
+    shared = common // 16 * 16
+    assert shared >= 32
+    assert stats.prefix_hit_tokens >= shared * (len(PROMPTS) - 1)
+    for prompt_ids, result in zip(ids, [first, *rest], strict=True):
+        assert result.token_ids == reference(tiny, prompt_ids, 8)
+    assert stats.kv_used_bytes == 0, "adopted blocks are released too"
+
+
 async def test_preempted_requests_produce_the_same_output(tiny: LoadedModel) -> None:
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     outputs = []

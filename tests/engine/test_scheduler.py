@@ -30,13 +30,16 @@ def test_block_manager_accounts_exactly() -> None:
     assert blocks.num_free == 3
 
 
-def make_sequence(seq_id: int, prompt_len: int, max_new: int, loop: asyncio.AbstractEventLoop) -> Sequence:
-    request = Request(seq_id, [1] * prompt_len, SamplingParams(max_new_tokens=max_new), loop)
+def make_sequence(
+    seq_id: int, prompt: int | list[int], max_new: int, loop: asyncio.AbstractEventLoop
+) -> Sequence:
+    ids = [1] * prompt if isinstance(prompt, int) else prompt
+    request = Request(seq_id, ids, SamplingParams(max_new_tokens=max_new), loop)
     return Sequence.of(seq_id, request)
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_random_load_with_cancellations_and_pool_exhaustion(seed: int) -> None:
+def test_random_load_with_cancellations_pool_exhaustion_and_shared_prefixes(seed: int) -> None:
     rng = random.Random(seed)
     loop = asyncio.new_event_loop()
     try:
@@ -44,9 +47,17 @@ def test_random_load_with_cancellations_and_pool_exhaustion(seed: int) -> None:
         blocks = BlockManager(num_blocks, block_size)
         config = SchedulerConfig(max_running=rng.choice([1, 4, 8]), max_tokens_per_step=rng.choice([16, 64]))
         scheduler = Scheduler(config, blocks)
-        pending = [make_sequence(i, rng.randint(1, 120), rng.randint(1, 80), loop) for i in range(1000)]
+        # Prompts start with one of three instructions (or part of one), then their own tokens.
+        instructions = [[rng.randrange(50) for _ in range(rng.randint(10, 60))] for _ in range(3)]
+
+        def prompt() -> list[int]:
+            head = rng.choice(instructions)[: rng.randint(0, 60)]
+            return head + [rng.randrange(50) for _ in range(rng.randint(1, 60))]
+
+        pending = [make_sequence(i, prompt(), rng.randint(1, 80), loop) for i in range(1000)]
         live: list[Sequence] = []
         finished: dict[int, str] = {}
+        written: dict[int, tuple[int, int]] = {}  # slot -> (token, position): a stand-in for the KV cache
         steps = 0
         while pending or scheduler.has_work:
             steps += 1
@@ -63,16 +74,33 @@ def test_random_load_with_cancellations_and_pool_exhaustion(seed: int) -> None:
             plan = scheduler.schedule(admit=rng.random() < 0.8)
             # Invariants of every step.
             assert sum(c.num_tokens for c in plan) <= config.max_tokens_per_step
+            assert all(c.num_tokens > 0 for c in plan)
             assert len(scheduler.running) <= config.max_running
             assert len({id(c.seq) for c in plan}) == len(plan)
-            owned = [b for s in scheduler.running for b in blocks.table(s.seq_id)]
-            assert len(owned) == len(set(owned)), "a block has two owners"
-            assert blocks.num_used == len(owned)
+            owners: dict[int, list[Sequence]] = {}
+            for s in scheduler.running:
+                for b in blocks.table(s.seq_id):
+                    owners.setdefault(b, []).append(s)
+            assert blocks.num_used == len(owners)
+            for b, users in owners.items():
+                if len(users) > 1:  # shared: a full block of prompt every user has already computed
+                    ends = [(blocks.table(u.seq_id).index(b) + 1) * block_size for u in users]
+                    assert all(end <= u.num_computed for end, u in zip(ends, users, strict=True))
             for chunk in plan:
                 seq = chunk.seq
+                table = blocks.table(seq.seq_id)
                 assert seq.status is Status.RUNNING and chunk.start == seq.num_computed
-                assert len(blocks.table(seq.seq_id)) * block_size >= chunk.start + chunk.num_tokens
-                seq.num_computed += chunk.num_tokens
+                assert len(table) * block_size >= chunk.start + chunk.num_tokens
+                slot = [b * block_size + i for b in table for i in range(block_size)]
+                history = [written.get(slot[p]) for p in range(chunk.start)]
+                expected = [(seq.token_ids[p], p) for p in range(chunk.start)]
+                assert history == expected, "the cache holds another prefix"
+                for p in range(chunk.start, chunk.start + chunk.num_tokens):
+                    assert len(owners[table[p // block_size]]) == 1, "writing into a shared block"
+                    written[slot[p]] = (seq.token_ids[p], p)
+            for chunk in plan:
+                seq = chunk.seq
+                scheduler.computed(chunk)
                 if chunk.samples:
                     seq.token_ids.append(7)
                     if seq.num_output >= seq.request.params.max_new_tokens:
@@ -82,10 +110,42 @@ def test_random_load_with_cancellations_and_pool_exhaustion(seed: int) -> None:
         assert len(finished) == 1000, "every request ends: generated out, or cancelled"
         assert blocks.num_free == num_blocks, "every block returned"
         assert list(finished.values()).count("done") > 500
+        assert blocks.num_cache_hits > 100, "shared prefixes should have been reused"
         if config.max_running > 1:
             assert scheduler.num_preemptions > 0, "the pool should have run out at some point"
     finally:
         loop.close()
+
+
+def test_prefix_blocks_are_adopted_kept_while_free_and_evicted_last() -> None:
+    blocks = BlockManager(num_blocks=4, block_size=4)
+    tokens = list(range(10))  # two full blocks and a partial one
+    blocks.allocate(1, 10)
+    blocks.register(1, tokens, 10)
+    assert blocks.num_cached == 2  # the partial block is not a prefix yet
+    assert blocks.adopt_prefix(2, [*tokens[:8], 99, 98]) == 8
+    assert blocks.table(2) == blocks.table(1)[:2]
+    assert blocks.num_used == 3
+    blocks.free(1)
+    blocks.free(2)
+    assert blocks.num_free == 4 and blocks.num_cached == 2
+    # Unregistered blocks are reused first; the cached ones survive until memory is needed.
+    blocks.allocate(3, 8)
+    assert blocks.num_cached == 2
+    assert blocks.adopt_prefix(4, tokens) == 8
+    # A whole prompt is never adopted: its last token must run to give the next token's logits.
+    assert blocks.adopt_prefix(5, tokens[:8]) == 4
+    for seq_id in (3, 4, 5):
+        blocks.free(seq_id)
+    blocks.allocate(6, 16)  # needs the whole pool: the cached blocks are evicted
+    assert blocks.num_cached == 0
+    blocks.free(6)
+    assert blocks.adopt_prefix(7, tokens) == 0
+    # Without prefix caching nothing is registered or adopted.
+    plain = BlockManager(num_blocks=4, block_size=4, prefix_caching=False)
+    plain.allocate(1, 8)
+    plain.register(1, tokens, 8)
+    assert plain.adopt_prefix(2, tokens) == 0
 
 
 def test_decodes_run_before_prefill_chunks() -> None:

@@ -89,4 +89,7 @@ class ScriptedEngine:
             kv_total_bytes=1024,
             kv_used_bytes=0,
             kv_bytes_per_token=8,
+            prefix_caching=False,
+            prefix_cached_blocks=0,
+            prefix_hit_tokens=0,
         )
