@@ -25,11 +25,17 @@ class SeqSlice:
 
     q_start: int  # offset of its first new token in the packed input
     q_len: int  # new tokens this step (a prefill chunk, or 1 for decode)
-    kv_slots: torch.Tensor  # (kv_len,) flat cache slots of all its tokens, history + new, in order
+    kv_slots: torch.Tensor  # (n,) full-precision cache slots of its tokens, history + new, in order
+    cold_blocks: torch.Tensor | None = None  # (m,) its quantised blocks (store ids), all history
+    cold_tokens: int = 0  # m * block_size
+
+    @property
+    def hot_len(self) -> int:
+        return int(self.kv_slots.shape[0])
 
     @property
     def kv_len(self) -> int:
-        return int(self.kv_slots.shape[0])
+        return self.hot_len + self.cold_tokens
 
 
 @dataclass(frozen=True)
@@ -38,8 +44,10 @@ class DecodeGroup:
 
     rows: torch.Tensor  # (B,) their rows in the packed input
     head_rows: torch.Tensor  # (B * KVH * Lmax,) rows of a layer's cache viewed as (slots * KVH, D)
-    padding: torch.Tensor | None  # (B, 1, 1, Lmax) True where a slot is padding; None if none is
-    max_len: int
+    padding: torch.Tensor | None  # (B, 1, 1, Mmax*bs + Lmax) True where a key is padding, or None
+    max_len: int  # Lmax: full-precision slots per row
+    cold_blocks: torch.Tensor | None = None  # (B * Mmax,) quantised blocks per row, padded with 0
+    max_cold: int = 0  # Mmax
 
 
 @dataclass(frozen=True)
@@ -51,7 +59,7 @@ class StepBatch:
 
 
 def group_decodes(
-    decodes: list[SeqSlice], kv_heads: int, device: torch.device, spread: float = 1.5
+    decodes: list[SeqSlice], kv_heads: int, block_size: int, device: torch.device, spread: float = 1.5
 ) -> tuple[DecodeGroup, ...]:
     """Length buckets for decoding: sorted by history, a new group whenever the longest would
     exceed `spread` times the shortest, so padding wastes at most that share of the reads."""
@@ -61,23 +69,34 @@ def group_decodes(
             groups[-1].append(d)
         else:
             groups.append([d])
-    return tuple(_decode_group(g, kv_heads, device) for g in groups)
+    return tuple(_decode_group(g, kv_heads, block_size, device) for g in groups)
 
 
-def _decode_group(decodes: list[SeqSlice], kv_heads: int, device: torch.device) -> DecodeGroup:
-    longest = decodes[-1].kv_len
-    slots = torch.zeros(len(decodes), longest, dtype=torch.long, device=device)  # padding reads slot 0
-    padding = torch.ones(len(decodes), 1, 1, longest, dtype=torch.bool, device=device)
+def _decode_group(decodes: list[SeqSlice], kv_heads: int, block: int, device: torch.device) -> DecodeGroup:
+    longest = max(d.hot_len for d in decodes)
+    cold = max(d.cold_tokens for d in decodes) // block
+    slots = torch.zeros(len(decodes), longest, dtype=torch.long)  # padding reads slot 0
+    blocks = torch.zeros(len(decodes), cold, dtype=torch.long)  # and cold block 0
+    padding = torch.ones(len(decodes), 1, 1, cold * block + longest, dtype=torch.bool)
     for i, d in enumerate(decodes):
-        slots[i, : d.kv_len] = d.kv_slots
-        padding[i, 0, 0, : d.kv_len] = False
+        slots[i, : d.hot_len] = d.kv_slots
+        padding[i, 0, 0, cold * block : cold * block + d.hot_len] = False
+        if d.cold_blocks is not None:
+            blocks[i, : d.cold_blocks.shape[0]] = d.cold_blocks
+            padding[i, 0, 0, : d.cold_tokens] = False
     # Row of (slot, head) in the cache viewed as (slots * KVH, D), ordered (B, KVH, Lmax): one gather
     # gives each (sequence, KV head) its history contiguously, as the batched matmuls want it.
-    heads = torch.arange(kv_heads, device=device)[None, :, None]
-    head_rows = (slots[:, None, :] * kv_heads + heads).flatten()
+    heads = torch.arange(kv_heads)[None, :, None]
+    head_rows = (slots[:, None, :] * kv_heads + heads).flatten().to(device)
     rows = torch.tensor([d.q_start for d in decodes], dtype=torch.long, device=device)
-    same = decodes[0].kv_len == longest
-    return DecodeGroup(rows, head_rows, None if same else padding, longest)
+    return DecodeGroup(
+        rows,
+        head_rows,
+        padding.to(device) if bool(padding.any()) else None,
+        longest,
+        blocks.flatten().to(device) if cold else None,
+        cold,
+    )
 
 
 def _mask(q_len: int, kv_len: int, sliding_window: int | None, device: torch.device) -> torch.Tensor | None:
@@ -111,6 +130,12 @@ def decode_attention(
     pairs = (num * kv_heads, group.max_len, head_dim)
     key = cache.keys[layer].view(-1, head_dim).index_select(0, group.head_rows).view(pairs)
     value = cache.values[layer].view(-1, head_dim).index_select(0, group.head_rows).view(pairs)
+    if group.cold_blocks is not None and cache.cold is not None:
+        cold_key, cold_value = cache.cold.read(layer, group.cold_blocks)  # (B*M, bs, KVH, D)
+        cold = (num, -1, kv_heads, head_dim)
+        cold_key = cold_key.view(cold).transpose(1, 2).reshape(num * kv_heads, -1, head_dim)
+        cold_value = cold_value.view(cold).transpose(1, 2).reshape(num * kv_heads, -1, head_dim)
+        key, value = torch.cat((cold_key, key), dim=1), torch.cat((cold_value, value), dim=1)
     # Head kv*G + g attends with KV head kv, as the model's repeat_kv arranges them.
     q = query.index_select(1, group.rows).transpose(0, 1).reshape(num * kv_heads, groups, head_dim)
     scores = torch.bmm(q, key.transpose(1, 2)).float() * scale  # (B*KVH, G, L)
@@ -142,7 +167,7 @@ def paged_attention(
         out[group.rows] = decode_attention(query[0], step.cache, layer, group, scale)
     for seq in step.seqs:
         q = query[:, :, seq.q_start : seq.q_start + seq.q_len]  # (1, H, q, D)
-        k, v = step.cache.read(layer, seq.kv_slots)  # (1, KVH, kv, D)
+        k, v = step.cache.read(layer, seq.kv_slots, seq.cold_blocks)  # (1, KVH, kv, D)
         mask = _mask(seq.q_len, seq.kv_len, sliding_window, query.device)
         # Prompt chunks: torch's fused CPU/GPU kernel wins once the score matrix is large.
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)

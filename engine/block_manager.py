@@ -11,6 +11,11 @@ sequence whose leading blocks match adopts them (reference counted) instead of r
 every analysis prompt starts with the same few hundred tokens of instructions. A freed block keeps
 its contents and registration while it sits in the free queue and is evicted least recently freed
 first, so "free" still means "available": cached blocks cost nothing when memory is needed.
+
+KV compression adds a second kind of block: ids `[0, num_blocks)` are full-precision ("hot")
+blocks, where every new token is written; ids from `num_blocks` on are quantised ("cold") blocks.
+`settle` moves a full block that only one sequence uses from hot to cold; the caller copies the
+contents. A prefix registration moves with its block.
 """
 
 from __future__ import annotations
@@ -21,14 +26,20 @@ from collections.abc import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
-        if num_blocks < 1 or block_size < 1:
+    def __init__(
+        self, num_blocks: int, block_size: int, prefix_caching: bool = True, num_cold_blocks: int = 0
+    ) -> None:
+        if num_blocks < 1 or block_size < 1 or num_cold_blocks < 0:
             raise ValueError(f"need at least one block of one slot, got {num_blocks} x {block_size}")
         self.num_blocks = num_blocks
+        self.num_cold_blocks = num_cold_blocks
         self.block_size = block_size
         self.prefix_caching = prefix_caching
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # evict from the front
-        self._refs = [0] * num_blocks
+        self._free_cold: OrderedDict[int, None] = OrderedDict.fromkeys(
+            range(num_blocks, num_blocks + num_cold_blocks)
+        )
+        self._refs = [0] * (num_blocks + num_cold_blocks)
         self._tables: dict[int, list[int]] = {}
         self._hashes: dict[int, list[bytes]] = {}  # per sequence: the keys of its registered full blocks
         self._cached: dict[bytes, int] = {}  # prefix key -> block holding that block of tokens
@@ -37,11 +48,26 @@ class BlockManager:
 
     @property
     def num_free(self) -> int:
+        """Free full-precision blocks: room for new tokens."""
         return len(self._free)
 
     @property
     def num_used(self) -> int:
         return self.num_blocks - len(self._free)
+
+    @property
+    def num_free_cold(self) -> int:
+        return len(self._free_cold)
+
+    @property
+    def num_used_cold(self) -> int:
+        return self.num_cold_blocks - len(self._free_cold)
+
+    def is_cold(self, block: int) -> bool:
+        return block >= self.num_blocks
+
+    def _free_list(self, block: int) -> OrderedDict[int, None]:
+        return self._free_cold if block >= self.num_blocks else self._free
 
     @property
     def num_cached(self) -> int:
@@ -67,14 +93,34 @@ class BlockManager:
         if missing > len(self._free):
             raise MemoryError(f"sequence {seq_id} needs {missing} blocks, {len(self._free)} free")
         table = self._tables.setdefault(seq_id, [])
-        for _ in range(missing):
-            block, _ = self._free.popitem(last=False)
-            key = self._key_of.pop(block, None)
-            if key is not None:  # evict: its old contents are about to be overwritten
-                del self._cached[key]
-            self._refs[block] = 1
-            table.append(block)
+        table.extend(self._take(self._free) for _ in range(missing))
         return table
+
+    def _take(self, free: OrderedDict[int, None]) -> int:
+        block, _ = free.popitem(last=False)
+        key = self._key_of.pop(block, None)
+        if key is not None:  # evict: its old contents are about to be overwritten
+            del self._cached[key]
+        self._refs[block] = 1
+        return block
+
+    def settle(self, seq_id: int, index: int) -> tuple[int, int] | None:
+        """Moves block `index` of the sequence to a cold block if it is hot, used by this sequence
+        alone and a cold block is free; returns (hot, cold) for the caller to copy, else None."""
+        table = self._tables[seq_id]
+        hot = table[index]
+        if hot >= self.num_blocks or self._refs[hot] != 1 or not self._free_cold:
+            return None
+        cold = self._take(self._free_cold)
+        table[index] = cold
+        key = self._key_of.pop(hot, None)
+        if key is not None:
+            self._cached[key] = cold
+            self._key_of[cold] = key
+        self._refs[hot] = 0
+        self._free[hot] = None
+        self._free.move_to_end(hot, last=False)
+        return hot, cold
 
     def adopt_prefix(self, seq_id: int, token_ids: Sequence[int]) -> int:
         """Gives a sequence without blocks the cached blocks of its longest known prefix.
@@ -93,7 +139,7 @@ class BlockManager:
             if block is None:
                 break
             if self._refs[block] == 0:
-                del self._free[block]
+                del self._free_list(block)[block]
             self._refs[block] += 1
             table.append(block)
             keys.append(key)
@@ -126,9 +172,10 @@ class BlockManager:
         for block in reversed(table):
             self._refs[block] -= 1
             if self._refs[block] == 0:
-                self._free[block] = None
+                free = self._free_list(block)
+                free[block] = None
                 if block not in self._key_of:
-                    self._free.move_to_end(block, last=False)
+                    free.move_to_end(block, last=False)
         return len(table)
 
 

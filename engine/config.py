@@ -18,7 +18,10 @@ class EngineConfig:
     dynamic_batching: bool = False  # False: one request at a time (the article's "static batch=1")
     max_batch_size: int = 8
     batch_window_ms: float = 150.0  # how long the first waiting request may wait for others to join
-    kv_compression: bool = False  # accepted and reported; the compressed cache is not implemented yet
+    kv_compression: bool = False  # quantise KV blocks that leave the recent-token window
+    kv_quant_bits: int = 4  # with kv_compression: 8 or 4
+    kv_residual_tokens: int = 32  # the most recent tokens of each sequence stay full precision
+    kv_sink_tokens: int = 4  # so do the first ones (attention sinks), rounded up to whole blocks
     kv_cache_bytes: int | None = None  # KV pool budget; None: kv_cache_memory_fraction of free memory
     kv_cache_memory_fraction: float = 0.2
     block_size: int = 16  # tokens per KV block
@@ -39,6 +42,10 @@ class EngineConfig:
             )
         if self.block_size < 1 or self.max_tokens_per_step < 1:
             raise ValueError("block_size and max_tokens_per_step must be >= 1")
+        if self.kv_quant_bits not in (4, 8):
+            raise ValueError(f"kv_quant_bits must be 8 or 4, got {self.kv_quant_bits}")
+        if self.kv_residual_tokens < 0 or self.kv_sink_tokens < 0:
+            raise ValueError("kv_residual_tokens and kv_sink_tokens must be >= 0")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
 

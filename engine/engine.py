@@ -25,7 +25,8 @@ import torch
 from engine.attention import register
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, SamplingParams
-from engine.kv_cache import KVCache, KVShape
+from engine.kv_cache import ColdStore, KVCache, KVShape
+from engine.kv_quant import QuantFormat
 from engine.loader import LoadedModel, load_model
 from engine.request import EngineError, FinishReason, GenerationResult, Request, RequestHandle, id_counter
 from engine.runner import ModelRunner
@@ -53,10 +54,20 @@ class EngineStats:
     largest_batch: int
     kv_total_bytes: int
     kv_used_bytes: int
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int  # full precision, all layers
+    kv_tokens: int  # tokens of running sequences whose keys and values are held
+    kv_quant_bits: int | None  # None: uncompressed
+    kv_cold_bytes_per_token: float  # of a quantised block, all layers; 0 when uncompressed
     prefix_caching: bool
     prefix_cached_blocks: int  # blocks holding a registered prefix, in use or evictable
     prefix_hit_tokens: int  # prompt tokens adopted from the cache instead of computed, since start
+
+    @property
+    def kv_ratio(self) -> float:
+        """Live bytes per held token as a share of full precision (1.0 when nothing is held)."""
+        if not self.kv_tokens:
+            return 1.0
+        return self.kv_used_bytes / self.kv_tokens / self.kv_bytes_per_token
 
     @property
     def batch_occupancy(self) -> float:
@@ -64,18 +75,35 @@ class EngineStats:
         return self.mean_batch_size / self.max_batch_size if self.max_batch_size else 0.0
 
 
-def pool_blocks(config: EngineConfig, shape: KVShape, device: torch.device) -> int:
-    """Blocks that fit the KV byte budget: KV_CACHE_BYTES, else a share of free memory."""
-    budget = config.kv_cache_bytes
-    if budget is None:
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-        else:
-            import psutil
+def pool_budget(config: EngineConfig, device: torch.device) -> int:
+    """The KV byte budget: KV_CACHE_BYTES, else a share of free memory."""
+    if config.kv_cache_bytes is not None:
+        return config.kv_cache_bytes
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    else:
+        import psutil
 
-            free = psutil.virtual_memory().available
-        budget = int(free * config.kv_cache_memory_fraction)
-    return max(1, budget // (shape.bytes_per_token * config.block_size))
+        free = psutil.virtual_memory().available
+    return int(free * config.kv_cache_memory_fraction)
+
+
+def build_cache(config: EngineConfig, shape: KVShape, device: torch.device) -> KVCache:
+    """The pool for the byte budget. Uncompressed: all full-precision blocks. Compressed: enough
+    full-precision blocks for every running sequence's sinks, recent window and one step's
+    prompt chunk, the rest of the budget as quantised blocks."""
+    budget, size = pool_budget(config, device), config.block_size
+    hot_bytes = shape.bytes_per_token * size
+    if not config.kv_compression:
+        return KVCache(shape, max(1, budget // hot_bytes), size, device)
+    fmt = QuantFormat(config.kv_quant_bits)
+    per_seq = -(-config.kv_sink_tokens // size) + -(-config.kv_residual_tokens // size) + 2
+    hot = min(
+        max(1, budget // hot_bytes),
+        config.effective_batch_size * per_seq + -(-config.max_tokens_per_step // size),
+    )
+    cold = max(0, budget - hot * hot_bytes) // ColdStore.bytes_per_block(shape, fmt, size)
+    return KVCache(shape, hot, size, device, ColdStore(shape, fmt, cold, size, device) if cold else None)
 
 
 class Engine:
@@ -85,13 +113,15 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         loaded.model.set_attn_implementation(register())
         shape = KVShape.of(loaded.model.config, loaded.dtype)
-        num_blocks = pool_blocks(config, shape, loaded.device)
-        self.blocks = BlockManager(num_blocks, config.block_size, config.prefix_caching)
-        self.cache = KVCache(shape, num_blocks, config.block_size, loaded.device)
+        self.cache = build_cache(config, shape, loaded.device)
+        num_blocks, num_cold = self.cache.num_blocks, self.cache.cold.num_blocks if self.cache.cold else 0
+        self.blocks = BlockManager(num_blocks, config.block_size, config.prefix_caching, num_cold)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_running=config.effective_batch_size,
                 max_tokens_per_step=max(config.max_tokens_per_step, config.effective_batch_size),
+                residual_tokens=config.kv_residual_tokens,
+                sink_blocks=-(-config.kv_sink_tokens // config.block_size),
             ),
             self.blocks,
         )
@@ -109,13 +139,14 @@ class Engine:
         self._num_finished = 0
         self._num_tokens = 0
         log.info(
-            "KV pool: %d blocks x %d tokens, %.1f MiB (%d bytes/token)",
-            num_blocks, config.block_size, self.cache.total_bytes / 2**20, shape.bytes_per_token,
+            "KV pool: %d full-precision + %d int%d blocks x %d tokens, %.1f MiB (%d bytes/token full)",
+            num_blocks, num_cold, config.kv_quant_bits, config.block_size, self.cache.total_bytes / 2**20,
+            shape.bytes_per_token,
         )  # fmt: skip
-        if config.kv_compression:
-            log.warning(
-                "KV_COMPRESSION=true is accepted and reported, but KV compression is not implemented yet"
-            )
+        if config.kv_compression and not num_cold:
+            log.warning("KV_COMPRESSION=true but the KV budget leaves no room for quantised blocks")
+        if config.kv_compression and getattr(loaded.model.config, "use_sliding_window", False):
+            raise EngineError("KV compression does not support sliding-window attention models")
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
@@ -176,8 +207,9 @@ class Engine:
                 f"prompt of {len(prompt_ids)} tokens + {params.max_new_tokens} new tokens "
                 f"exceeds the model's context of {self.max_context}"
             )
-        if self.blocks.blocks_for(needed) > self.blocks.num_blocks:
-            raise EngineError(f"{needed} tokens cannot fit the KV pool ({self.blocks.num_blocks} blocks)")
+        capacity = self.blocks.num_blocks + self.blocks.num_cold_blocks
+        if self.blocks.blocks_for(needed) > capacity:
+            raise EngineError(f"{needed} tokens cannot fit the KV pool ({capacity} blocks)")
         request = Request(self._next_id(), list(prompt_ids), params, asyncio.get_running_loop())
         seq = Sequence.of(request.request_id, request)
         self._sequences[seq.seq_id] = seq
@@ -195,6 +227,10 @@ class Engine:
 
     def stats(self) -> EngineStats:
         bytes_per_block = self.cache.bytes_per_block
+        cold = self.cache.cold
+        cold_block = (
+            ColdStore.bytes_per_block(self.cache.shape, cold.fmt, self.cache.block_size) if cold else 0
+        )
         return EngineStats(
             model_id=self.model_id,
             device=str(self.loaded.device),
@@ -210,9 +246,13 @@ class Engine:
             num_preemptions=self.scheduler.num_preemptions,
             mean_batch_size=self._num_scheduled / self._num_steps if self._num_steps else 0.0,
             largest_batch=self._largest,
-            kv_total_bytes=self.blocks.num_blocks * bytes_per_block,
-            kv_used_bytes=self.blocks.num_used * bytes_per_block,
+            kv_total_bytes=self.blocks.num_blocks * bytes_per_block
+            + self.blocks.num_cold_blocks * cold_block,
+            kv_used_bytes=self.blocks.num_used * bytes_per_block + self.blocks.num_used_cold * cold_block,
             kv_bytes_per_token=self.cache.shape.bytes_per_token,
+            kv_tokens=sum(s.num_computed for s in self.scheduler.running),
+            kv_quant_bits=cold.fmt.bits if cold else None,
+            kv_cold_bytes_per_token=cold_block / self.cache.block_size,
             prefix_caching=self.config.prefix_caching,
             prefix_cached_blocks=self.blocks.num_cached,
             prefix_hit_tokens=self.blocks.num_cache_hits * self.blocks.block_size,
@@ -243,8 +283,9 @@ class Engine:
                 if chunk.seq.request.scheduled_at is None:
                     chunk.seq.request.scheduled_at = started
                 chunk.seq.request.batch_size = max(chunk.seq.request.batch_size, len(plan))
+            settle = self.scheduler.settle()
             try:
-                tokens = await loop.run_in_executor(self._executor, self.runner.step, plan)
+                tokens = await loop.run_in_executor(self._executor, self.runner.step, plan, settle)
             except Exception as exc:  # a failed step fails its sequences, not the engine
                 log.exception("step of %d sequences failed", len(plan))
                 for chunk in plan:

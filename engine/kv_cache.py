@@ -1,7 +1,8 @@
 """The paged KV cache tensors: one flat slot array per layer for keys and one for values.
 
 Keys are stored after RoPE (the attention function receives rotated keys), so a cached token
-keeps its position. Sized from a byte budget with exact accounting.
+keeps its position. Sized from a byte budget with exact accounting. With KV compression, a
+`ColdStore` of quantised blocks sits beside the full-precision slots (see `kv_quant`).
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from engine.kv_quant import QuantFormat, dequantize_keys, dequantize_values, quantize_keys, quantize_values
 
 
 @dataclass(frozen=True)
@@ -33,32 +36,125 @@ class KVShape:
         return cls(int(getattr(config, "num_hidden_layers")), kv_heads, head_dim, dtype)  # noqa: B009
 
 
+class ColdStore:
+    """Quantised blocks for every layer: key codes with a (scale, min) per block and channel,
+    value codes with a (scale, min) per token. Block `i` here is block `num_hot + i` of the pool."""
+
+    def __init__(
+        self, shape: KVShape, fmt: QuantFormat, num_blocks: int, block_size: int, device: torch.device
+    ) -> None:
+        self.fmt = fmt
+        self.num_blocks = num_blocks
+        layers, heads, dim = shape.num_layers, shape.num_kv_heads, shape.head_dim
+        codes = (layers, num_blocks, block_size, heads, fmt.code_dim(dim))
+        self.key_codes = torch.zeros(codes, dtype=torch.uint8, device=device)
+        self.value_codes = torch.zeros(codes, dtype=torch.uint8, device=device)
+        self.key_scale = torch.zeros(layers, num_blocks, heads, dim, dtype=shape.dtype, device=device)
+        self.key_min = torch.zeros_like(self.key_scale)
+        per_token = (layers, num_blocks, block_size, heads)
+        self.value_scale = torch.zeros(per_token, dtype=shape.dtype, device=device)
+        self.value_min = torch.zeros_like(self.value_scale)
+
+    @staticmethod
+    def bytes_per_block(shape: KVShape, fmt: QuantFormat, block_size: int) -> int:
+        element = torch.empty((), dtype=shape.dtype).element_size()
+        return (
+            fmt.bytes_per_block(shape.head_dim, block_size, element) * shape.num_kv_heads * shape.num_layers
+        )
+
+    @property
+    def total_bytes(self) -> int:
+        parts = [self.key_codes, self.value_codes, self.key_scale, self.key_min, self.value_scale]
+        parts.append(self.value_min)
+        return sum(t.numel() * t.element_size() for t in parts)
+
+    def store(self, keys: torch.Tensor, values: torch.Tensor, blocks: torch.Tensor) -> None:
+        """Quantises full-precision blocks (L, n, block_size, KVH, D) into cold `blocks` (n,)."""
+        codes, scale, low = quantize_keys(keys, self.fmt)
+        self.key_codes.index_copy_(1, blocks, codes)
+        self.key_scale.index_copy_(1, blocks, scale)
+        self.key_min.index_copy_(1, blocks, low)
+        codes, scale, low = quantize_values(values, self.fmt)
+        self.value_codes.index_copy_(1, blocks, codes)
+        self.value_scale.index_copy_(1, blocks, scale)
+        self.value_min.index_copy_(1, blocks, low)
+
+    def read(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantised keys and values of cold `blocks` (n,): each (n, block_size, KVH, D)."""
+        key = dequantize_keys(
+            self.key_codes[layer].index_select(0, blocks),
+            self.key_scale[layer].index_select(0, blocks),
+            self.key_min[layer].index_select(0, blocks),
+            self.fmt,
+        )
+        value = dequantize_values(
+            self.value_codes[layer].index_select(0, blocks),
+            self.value_scale[layer].index_select(0, blocks),
+            self.value_min[layer].index_select(0, blocks),
+            self.fmt,
+        )
+        return key, value
+
+
 class KVCache:
-    def __init__(self, shape: KVShape, num_blocks: int, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        shape: KVShape,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        cold: ColdStore | None = None,
+    ) -> None:
         self.shape = shape
         self.block_size = block_size
+        self.num_blocks = num_blocks
         self.num_slots = num_blocks * block_size
         size = (shape.num_layers, self.num_slots, shape.num_kv_heads, shape.head_dim)  # (L, S, KVH, D)
         self.keys = torch.zeros(size, dtype=shape.dtype, device=device)
         self.values = torch.zeros(size, dtype=shape.dtype, device=device)
+        self.cold = cold
 
     @property
     def bytes_per_block(self) -> int:
         return self.shape.bytes_per_token * self.block_size
 
     @property
+    def bytes_per_cold_block(self) -> int:
+        """Bytes of one quantised block, all layers (0 without a quantised store)."""
+        if self.cold is None:
+            return 0
+        return ColdStore.bytes_per_block(self.shape, self.cold.fmt, self.block_size)
+
+    @property
     def total_bytes(self) -> int:
-        return self.keys.numel() * self.keys.element_size() * 2
+        hot = self.keys.numel() * self.keys.element_size() * 2
+        return hot + (self.cold.total_bytes if self.cold is not None else 0)
+
+    def settle(self, hot: torch.Tensor, cold: torch.Tensor) -> None:
+        """Quantises full-precision blocks `hot` (n,) into cold blocks `cold` (n,), pool ids."""
+        if self.cold is None:
+            raise RuntimeError("this cache has no quantised store")
+        blocked = (self.shape.num_layers, self.num_blocks, self.block_size, *self.keys.shape[2:])
+        keys = self.keys.view(blocked).index_select(1, hot)
+        values = self.values.view(blocked).index_select(1, hot)
+        self.cold.store(keys, values, cold - self.num_blocks)
 
     def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Stores the step's new tokens: `slots` (T,), key/value (T, KVH, D)."""
         self.keys[layer].index_copy_(0, slots, key.to(self.keys.dtype))
         self.values[layer].index_copy_(0, slots, value.to(self.values.dtype))
 
-    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A sequence's keys and values in token order, shaped (1, KVH, L, D) for attention."""
+    def read(
+        self, layer: int, slots: torch.Tensor, cold_blocks: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sequence's keys and values shaped (1, KVH, L, D) for attention: its quantised blocks
+        (dequantised) first, then its full-precision slots in token order."""
         key = self.keys[layer].index_select(0, slots)  # (L, KVH, D)
         value = self.values[layer].index_select(0, slots)
+        if cold_blocks is not None and self.cold is not None and cold_blocks.numel():
+            cold_key, cold_value = self.cold.read(layer, cold_blocks)  # (m, bs, KVH, D)
+            key = torch.cat((cold_key.flatten(0, 1), key))
+            value = torch.cat((cold_value.flatten(0, 1), value))
         return key.permute(1, 0, 2).unsqueeze(0), value.permute(1, 0, 2).unsqueeze(0)
 
 

@@ -102,6 +102,10 @@ class RequestHandle:
     def request_id(self) -> int:
         return self._request.request_id
 
+    @property
+    def done(self) -> bool:
+        return self._request.done.done()
+
     def cancel(self) -> None:
         self._request.cancelled = True
 

@@ -38,8 +38,25 @@ class ModelRunner:
         return self._grammar
 
     @torch.inference_mode()
-    def step(self, plan: Seq[Chunk]) -> list[int | None]:
+    def step(self, plan: Seq[Chunk], settle: Seq[tuple[int, int]] = ()) -> list[int | None]:
         """The sampled token of each chunk that reaches its sequence's end (None for the others)."""
+        logits = self.forward(plan, settle)
+        sampling = [c.seq for c in plan if c.samples]
+        tokens = iter(self._sample(logits, sampling))
+        return [next(tokens) if c.samples else None for c in plan]
+
+    @torch.inference_mode()
+    def forward(self, plan: Seq[Chunk], settle: Seq[tuple[int, int]] = ()) -> torch.Tensor:
+        """fp32 next-token logits (S, V), one row per chunk that reaches its sequence's end.
+
+        `settle` lists (hot, cold) blocks to quantise first: the scheduler has already moved them
+        in the block tables, and no block freed by that is reused before this step has run."""
+        if settle:
+            hot, cold = zip(*settle, strict=True)
+            self.cache.settle(
+                torch.tensor(hot, dtype=torch.long, device=self.device),
+                torch.tensor(cold, dtype=torch.long, device=self.device),
+            )
         ids: list[int] = []
         positions: list[int] = []
         new_slots: list[torch.Tensor] = []
@@ -48,13 +65,7 @@ class ModelRunner:
         for chunk in plan:
             end = chunk.start + chunk.num_tokens
             table = self.blocks.table(chunk.seq.seq_id)
-            seqs.append(
-                SeqSlice(
-                    q_start=len(ids),
-                    q_len=chunk.num_tokens,
-                    kv_slots=slots_of(table, end, self.block_size).to(self.device),
-                )
-            )
+            seqs.append(self._slice(len(ids), chunk.num_tokens, table, end))
             ids += chunk.seq.token_ids[chunk.start : end]
             positions += range(chunk.start, end)
             new_slots.append(slots_of(table, end, self.block_size, start=chunk.start))
@@ -69,7 +80,7 @@ class ModelRunner:
             self.cache,
             torch.cat(new_slots).to(self.device),
             [s for s in seqs if s.q_len > 1 or sliding],
-            group_decodes(decodes, self.cache.shape.num_kv_heads, self.device),
+            group_decodes(decodes, self.cache.shape.num_kv_heads, self.block_size, self.device),
         )
         out = self.model(
             input_ids=torch.tensor([ids], device=self.device),  # (1, T)
@@ -78,10 +89,21 @@ class ModelRunner:
             logits_to_keep=torch.tensor(last_rows, dtype=torch.long, device=self.device),
             step=batch,
         )
-        logits = out.logits[0].float()  # (S, V): one row per sampling chunk, fp32 for sampling
-        sampling = [c.seq for c in plan if c.samples]
-        tokens = iter(self._sample(logits, sampling))
-        return [next(tokens) if c.samples else None for c in plan]
+        logits: torch.Tensor = out.logits[0].float()  # (S, V): one row per sampling chunk
+        return logits
+
+    def _slice(self, q_start: int, q_len: int, table: list[int], end: int) -> SeqSlice:
+        """Where a sequence's first `end` tokens are: full-precision slots and quantised blocks."""
+        slots = slots_of(table, end, self.block_size)
+        if self.cache.cold is None:
+            return SeqSlice(q_start, q_len, slots.to(self.device))
+        hot = self.cache.num_blocks
+        blocks = torch.tensor(table[: -(-end // self.block_size)], dtype=torch.long)
+        cold = blocks[blocks >= hot] - hot
+        slots = slots[slots < hot * self.block_size]  # quantised blocks' slots lie beyond
+        return SeqSlice(
+            q_start, q_len, slots.to(self.device), cold.to(self.device), int(cold.numel()) * self.block_size
+        )
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         logits = logits[:, : self.vocab_size]

@@ -25,6 +25,8 @@ from engine.sequence import Sequence, Status
 class SchedulerConfig:
     max_running: int
     max_tokens_per_step: int
+    residual_tokens: int = 32  # with quantised blocks: the most recent tokens stay full precision
+    sink_blocks: int = 1  # and so do the first blocks (attention sinks)
 
     def __post_init__(self) -> None:
         if self.max_running < 1 or self.max_tokens_per_step < self.max_running:
@@ -123,6 +125,26 @@ class Scheduler:
             budget -= n
         return plan
 
+    def settle(self) -> list[tuple[int, int]]:
+        """Moves full blocks that left the recent-token window (and are not sinks, not shared) to
+        quantised storage while cold blocks are free; the (hot, cold) pairs to copy."""
+        moves: list[tuple[int, int]] = []
+        if not self.blocks.num_cold_blocks:
+            return moves
+        for seq in self.running:
+            limit = min(
+                (seq.num_computed - self.config.residual_tokens) // self.blocks.block_size,
+                len(self.blocks.table(seq.seq_id)),
+            )
+            for index in range(max(seq.num_settled_blocks, self.config.sink_blocks), limit):
+                if not self.blocks.num_free_cold:
+                    return moves
+                move = self.blocks.settle(seq.seq_id, index)  # None: already cold, or shared
+                if move is not None:
+                    moves.append(move)
+                seq.num_settled_blocks = index + 1
+        return moves
+
     def _take(self, seq: Sequence, n: int) -> Chunk:
         self.blocks.allocate(seq.seq_id, seq.num_computed + n)
         return Chunk(seq, seq.num_computed, n)
@@ -136,6 +158,7 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.free(seq.seq_id)
         seq.num_computed = 0
+        seq.num_settled_blocks = 0
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

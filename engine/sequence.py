@@ -26,6 +26,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose keys/values are in the cache
     status: Status = Status.WAITING
     num_preemptions: int = 0
+    num_settled_blocks: int = 0  # leading blocks already considered for quantised storage
     matcher: Any = None  # xgrammar GrammarMatcher, created on the runner thread on first use
     generator: torch.Generator | None = field(default=None, repr=False)
     final_text: str | None = None  # set when a stop string ended the sequence: the text before it

@@ -90,7 +90,14 @@ class Service:
         return {
             "status": "ready" if self.is_ready else "starting",
             "dynamic_batching": self.settings.dynamic_batching,
-            "kv_compression": self.settings.kv_compression,
+            "kv_compression": stats.kv_compression,
+            "kv_profile": {
+                "quant_bits": stats.kv_quant_bits,
+                "residual_tokens": self.settings.kv_residual_tokens,
+                "sink_tokens": self.settings.kv_sink_tokens,
+            }
+            if stats.kv_compression
+            else None,
             "max_batch_size": self.settings.max_batch_size,
             "dynamic_batch_window_ms": self.settings.dynamic_batch_window_ms,
             "model": stats.model_id,
@@ -110,13 +117,15 @@ class Service:
                 "batch_occupancy": round(stats.batch_occupancy, 3),
                 "generated_tokens": stats.num_generated_tokens,
                 "preemptions": stats.num_preemptions,
-                "kv_compression_implemented": False,
             },
             "kv_pool": {
                 "total_bytes": stats.kv_total_bytes,
                 "used_bytes": stats.kv_used_bytes,
                 "free_bytes": stats.kv_total_bytes - stats.kv_used_bytes,
                 "bytes_per_token": stats.kv_bytes_per_token,
+                "quantised_bytes_per_token": stats.kv_cold_bytes_per_token,
+                "held_tokens": stats.kv_tokens,
+                "live_ratio": round(stats.kv_ratio, 4),
                 "prefix_caching": stats.prefix_caching,
                 "prefix_cached_blocks": stats.prefix_cached_blocks,
                 "prefix_hit_tokens": stats.prefix_hit_tokens,

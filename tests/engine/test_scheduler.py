@@ -38,14 +38,20 @@ def make_sequence(
     return Sequence.of(seq_id, request)
 
 
+@pytest.mark.parametrize("cold", [0, 48])
 @pytest.mark.parametrize("seed", range(3))
-def test_random_load_with_cancellations_pool_exhaustion_and_shared_prefixes(seed: int) -> None:
+def test_random_load_with_cancellations_pool_exhaustion_and_shared_prefixes(seed: int, cold: int) -> None:
+    """With `cold` quantised blocks, full blocks also move there once out of the recent window."""
     rng = random.Random(seed)
     loop = asyncio.new_event_loop()
     try:
-        num_blocks, block_size = 40, 8  # 320 token slots for requests of up to 200 tokens each
-        blocks = BlockManager(num_blocks, block_size)
-        config = SchedulerConfig(max_running=rng.choice([1, 4, 8]), max_tokens_per_step=rng.choice([16, 64]))
+        # 320 token slots for requests of up to 200 tokens each (or 128 + 384 quantised ones)
+        num_blocks, block_size = (16 if cold else 40), 8
+        blocks = BlockManager(num_blocks, block_size, num_cold_blocks=cold)
+        settled = 0
+        config = SchedulerConfig(
+            max_running=rng.choice([1, 4, 8]), max_tokens_per_step=rng.choice([16, 64]), residual_tokens=8
+        )
         scheduler = Scheduler(config, blocks)
         # Prompts start with one of three instructions (or part of one), then their own tokens.
         instructions = [[rng.randrange(50) for _ in range(rng.randint(10, 60))] for _ in range(3)]
@@ -72,6 +78,11 @@ def test_random_load_with_cancellations_pool_exhaustion_and_shared_prefixes(seed
                 scheduler.finish(victim)
                 finished[victim.seq_id] = "cancelled"
             plan = scheduler.schedule(admit=rng.random() < 0.8)
+            for hot, moved in scheduler.settle():  # what the runner does first: copy, then compute
+                settled += 1
+                assert blocks.is_cold(moved) and not blocks.is_cold(hot)
+                for i in range(block_size):
+                    written[moved * block_size + i] = written[hot * block_size + i]
             # Invariants of every step.
             assert sum(c.num_tokens for c in plan) <= config.max_tokens_per_step
             assert all(c.num_tokens > 0 for c in plan)
@@ -81,7 +92,7 @@ def test_random_load_with_cancellations_pool_exhaustion_and_shared_prefixes(seed
             for s in scheduler.running:
                 for b in blocks.table(s.seq_id):
                     owners.setdefault(b, []).append(s)
-            assert blocks.num_used == len(owners)
+            assert blocks.num_used + blocks.num_used_cold == len(owners)
             for b, users in owners.items():
                 if len(users) > 1:  # shared: a full block of prompt every user has already computed
                     ends = [(blocks.table(u.seq_id).index(b) + 1) * block_size for u in users]
@@ -97,6 +108,7 @@ def test_random_load_with_cancellations_pool_exhaustion_and_shared_prefixes(seed
                 assert history == expected, "the cache holds another prefix"
                 for p in range(chunk.start, chunk.start + chunk.num_tokens):
                     assert len(owners[table[p // block_size]]) == 1, "writing into a shared block"
+                    assert not blocks.is_cold(table[p // block_size]), "writing into a quantised block"
                     written[slot[p]] = (seq.token_ids[p], p)
             for chunk in plan:
                 seq = chunk.seq
@@ -109,6 +121,8 @@ def test_random_load_with_cancellations_pool_exhaustion_and_shared_prefixes(seed
                         finished[seq.seq_id] = "done"
         assert len(finished) == 1000, "every request ends: generated out, or cancelled"
         assert blocks.num_free == num_blocks, "every block returned"
+        assert blocks.num_free_cold == cold
+        assert (settled > 500) == bool(cold)
         assert list(finished.values()).count("done") > 500
         assert blocks.num_cache_hits > 100, "shared prefixes should have been reused"
         if config.max_running > 1:

@@ -15,8 +15,11 @@ from engine import EngineStats, GenerationResult, SamplingParams
 
 
 class ScriptedEngine:
-    def __init__(self, delay_s: float = 0.0, model_id: str = "scripted") -> None:
+    def __init__(
+        self, delay_s: float = 0.0, model_id: str = "scripted", kv_compression: bool = False
+    ) -> None:
         self.delay_s = delay_s
+        self.kv_compression = kv_compression
         self._model_id = model_id
         self.calls = 0
 
@@ -76,7 +79,7 @@ class ScriptedEngine:
             device="cpu",
             dtype="none",
             dynamic_batching=False,
-            kv_compression=False,
+            kv_compression=self.kv_compression,
             max_batch_size=1,
             num_waiting=0,
             num_running=0,
@@ -89,6 +92,9 @@ class ScriptedEngine:
             kv_total_bytes=1024,
             kv_used_bytes=0,
             kv_bytes_per_token=8,
+            kv_tokens=0,
+            kv_quant_bits=4 if self.kv_compression else None,
+            kv_cold_bytes_per_token=2.5 if self.kv_compression else 0.0,
             prefix_caching=False,
             prefix_cached_blocks=0,
             prefix_hit_tokens=0,

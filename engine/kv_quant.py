@@ -1,0 +1,89 @@
+"""Quantised KV blocks: asymmetric (min/scale) integer storage, as in KIVI.
+
+Keys are quantised per channel over the tokens of one block (key outliers live in channels);
+values per token over their channels. 8-bit codes take a byte each; 4-bit codes are packed two to
+a byte (the low nibble holds the first half of the channels, the high nibble the second half).
+Scales and minimums are kept in the cache's dtype. Everything here is plain torch on whatever
+device the cache lives on; no host round-trip.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+Quantized = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # codes, scale, min
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    bits: int  # 8 or 4
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise ValueError(f"KV quantisation supports 8 or 4 bits, got {self.bits}")
+
+    @property
+    def levels(self) -> int:
+        return (1 << self.bits) - 1
+
+    def code_dim(self, head_dim: int) -> int:
+        """Bytes of codes per head and token."""
+        if self.bits == 4 and head_dim % 2:
+            raise ValueError(f"4-bit KV needs an even head dimension, got {head_dim}")
+        return head_dim if self.bits == 8 else head_dim // 2
+
+    def bytes_per_block(self, head_dim: int, block_size: int, scale_bytes: int) -> int:
+        """Exact bytes of one block of one KV head in one layer, keys and values: the codes, each
+        token's value (scale, min) and the block's key (scale, min) per channel."""
+        per_token = 2 * self.code_dim(head_dim) + 2 * scale_bytes
+        return block_size * per_token + 2 * head_dim * scale_bytes
+
+
+def _pack(codes: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    if fmt.bits == 8:
+        return codes
+    half = codes.shape[-1] // 2
+    return codes[..., :half] | (codes[..., half:] << 4)
+
+
+def _unpack(packed: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    if fmt.bits == 8:
+        return packed
+    return torch.cat((packed & 0x0F, packed >> 4), dim=-1)
+
+
+def _quantize(x: torch.Tensor, dim: int, fmt: QuantFormat) -> Quantized:
+    work = x.float()
+    low = work.amin(dim=dim, keepdim=True)
+    scale = (work.amax(dim=dim, keepdim=True) - low) / fmt.levels
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant run: any scale is exact
+    codes = torch.round((work - low) / scale).clamp_(0, fmt.levels).to(torch.uint8)
+    return _pack(codes, fmt), scale.to(x.dtype), low.to(x.dtype)
+
+
+def quantize_keys(keys: torch.Tensor, fmt: QuantFormat) -> Quantized:
+    """keys (..., block_size, KVH, D) -> codes (..., block_size, KVH, C), scale and min (..., KVH, D)."""
+    codes, scale, low = _quantize(keys, -3, fmt)
+    return codes, scale.squeeze(-3), low.squeeze(-3)
+
+
+def quantize_values(values: torch.Tensor, fmt: QuantFormat) -> Quantized:
+    """values (..., KVH, D) -> codes (..., KVH, C), scale and min (..., KVH)."""
+    codes, scale, low = _quantize(values, -1, fmt)
+    return codes, scale.squeeze(-1), low.squeeze(-1)
+
+
+def dequantize_keys(
+    codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, fmt: QuantFormat
+) -> torch.Tensor:
+    """codes (..., block_size, KVH, C), scale/min (..., KVH, D) -> keys (..., block_size, KVH, D)."""
+    return torch.addcmul(low.unsqueeze(-3), _unpack(codes, fmt).to(scale.dtype), scale.unsqueeze(-3))
+
+
+def dequantize_values(
+    codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, fmt: QuantFormat
+) -> torch.Tensor:
+    """codes (..., KVH, C), scale/min (..., KVH) -> values (..., KVH, D)."""
+    return torch.addcmul(low.unsqueeze(-1), _unpack(codes, fmt).to(scale.dtype), scale.unsqueeze(-1))

@@ -1,0 +1,149 @@
+"""Quantised KV blocks: round-trip error, exact bytes, attention over mixed blocks, engine parity."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import Engine, EngineConfig, SamplingParams
+from engine.attention import SeqSlice, decode_attention, group_decodes
+from engine.kv_cache import ColdStore, KVCache, KVShape, slots_of
+from engine.kv_quant import (
+    QuantFormat,
+    dequantize_keys,
+    dequantize_values,
+    quantize_keys,
+    quantize_values,
+)
+from engine.loader import LoadedModel
+from engine.tiny import build_tiny
+
+
+def outlier_keys(*shape: int) -> torch.Tensor:
+    """Random keys with a few large-magnitude channels, as real models have."""
+    keys = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    keys[..., 3] = keys[..., 3] * 20 + 50
+    return keys
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_round_trip_error_is_within_half_a_step(bits: int) -> None:
+    fmt = QuantFormat(bits)
+    keys = outlier_keys(5, 16, 2, 64)  # (blocks, block_size, KVH, D)
+    codes, scale, low = quantize_keys(keys, fmt)
+    assert codes.dtype == torch.uint8 and codes.shape == (5, 16, 2, fmt.code_dim(64))
+    assert scale.shape == low.shape == (5, 2, 64)  # per block and channel
+    error = (dequantize_keys(codes, scale, low, fmt) - keys).abs()
+    assert bool((error <= scale.unsqueeze(1) / 2 + 1e-5).all())
+    values = outlier_keys(80, 2, 64)  # (tokens, KVH, D)
+    codes, scale, low = quantize_values(values, fmt)
+    assert scale.shape == (80, 2)  # per token
+    error = (dequantize_values(codes, scale, low, fmt) - values).abs()
+    assert bool((error <= scale.unsqueeze(-1) / 2 + 1e-5).all())
+    # A constant run is stored exactly.
+    flat = torch.full((1, 16, 2, 64), 3.25)
+    assert torch.equal(dequantize_keys(*quantize_keys(flat, fmt), fmt), flat)
+
+
+def test_bytes_per_token_are_exact_for_the_default_models_shape() -> None:
+    shape = KVShape(num_layers=24, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)  # Qwen2.5-0.5B
+    assert shape.bytes_per_token == 2 * 24 * 2 * 64 * 2
+    for bits, ratio in ((8, 148 / 256), (4, 84 / 256)):
+        fmt = QuantFormat(bits)
+        per_block = ColdStore.bytes_per_block(shape, fmt, 16)
+        assert per_block / 16 / shape.bytes_per_token == ratio
+        store = ColdStore(shape, fmt, num_blocks=3, block_size=16, device=torch.device("cpu"))
+        assert store.total_bytes == 3 * per_block
+
+
+@pytest.mark.parametrize(("bits", "tolerance"), [(8, 0.02), (4, 0.15)])
+def test_attention_over_quantised_blocks_stays_close(bits: int, tolerance: float) -> None:
+    shape = KVShape(num_layers=1, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    size, hot_blocks = 8, 8
+    cache = KVCache(
+        shape,
+        hot_blocks,
+        size,
+        torch.device("cpu"),
+        ColdStore(shape, QuantFormat(bits), 4, size, torch.device("cpu")),
+    )
+    gen = torch.Generator().manual_seed(1)
+    cache.keys.copy_(torch.randn(cache.keys.shape, generator=gen))
+    cache.values.copy_(torch.randn(cache.values.shape, generator=gen))
+    table = [0, 1, 2, 3, 4]  # 37 tokens: block 0 stays (sink), blocks 1-3 go cold, block 4 is recent
+    length = 37
+    query = torch.randn(4, 2, 16, generator=gen)  # (H, T, D): two sequences' decode queries
+    hot_only = SeqSlice(0, 1, slots_of(table, length, size))
+    reference = decode_attention(
+        query, cache, 0, group_decodes([hot_only], 2, size, cache.keys.device)[0], 0.25
+    )
+
+    cache.settle(torch.tensor([1, 2, 3]), torch.tensor([8, 9, 10]))  # pool ids of the cold blocks
+    mixed_table = [0, 8, 9, 10, 4]
+    slots = slots_of(mixed_table, length, size)
+    mixed = SeqSlice(0, 1, slots[slots < hot_blocks * size], torch.tensor([0, 1, 2]), 3 * size)
+    other = SeqSlice(1, 1, slots_of([5], 6, size))  # a shorter, uncompressed neighbour in the group
+    groups = group_decodes([mixed, other], 2, size, cache.keys.device, spread=100.0)
+    assert len(groups) == 1 and groups[0].padding is not None
+    out = decode_attention(query, cache, 0, groups[0], 0.25)
+    row = int((groups[0].rows == 0).nonzero())
+    error = (out[row] - reference[0]).abs().max() / reference[0].abs().max()
+    assert float(error) < tolerance
+    # The prompt-chunk path reads the same keys (quantised first, then full precision).
+    key, _ = cache.read(0, mixed.kv_slots, mixed.cold_blocks)
+    full, _ = cache.read(0, hot_only.kv_slots)
+    assert key.shape == full.shape == (1, 2, length, 16)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LoadedModel:
+    return build_tiny("qwen2")
+
+
+async def run(tiny: LoadedModel, **options: object) -> tuple[list[list[int]], list[float]]:
+    config = EngineConfig(
+        model_path=Path("unused"), dtype="float32", kv_cache_bytes=1 << 22, dynamic_batching=True,
+        max_batch_size=5, block_size=4, max_tokens_per_step=16, prefix_caching=False, **options,  # type: ignore[arg-type]
+    )  # fmt: skip
+    engine = Engine(config, tiny)
+    ratios: list[float] = []
+    async with engine:
+        ids = [
+            engine.format_chat([{"role": "user", "content": f"document {i}: " + "late fee " * 8}])
+            for i in range(5)
+        ]
+
+        async def watch() -> None:
+            while True:
+                if (stats := engine.stats()).kv_tokens:
+                    ratios.append(stats.kv_ratio)
+                await asyncio.sleep(0)
+
+        watcher = asyncio.create_task(watch())
+        params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+        results = await asyncio.gather(*(engine.generate(i, params) for i in ids))
+        watcher.cancel()
+        assert engine.stats().kv_used_bytes == 0, "every block, full precision and quantised, returned"
+    return [r.token_ids for r in results], ratios
+
+
+async def test_compressed_engine_holds_fewer_bytes_and_agrees_with_uncompressed(tiny: LoadedModel) -> None:
+    plain, plain_ratios = await run(tiny)
+    assert min(plain_ratios) >= 1.0  # whole blocks, allocated a step ahead: never less than a token's worth
+    int8, ratios = await run(tiny, kv_compression=True, kv_quant_bits=8, kv_residual_tokens=8)
+    # tiny model in fp32 with 16-dim heads: a quantised int8 token takes 288 of 512 bytes
+    assert min(ratios) < 0.75
+    agree = sum(a == b for x, y in zip(plain, int8, strict=True) for a, b in zip(x, y, strict=True))
+    assert agree / sum(map(len, plain)) >= 0.95
+
+
+async def test_status_reports_compression(tiny: LoadedModel) -> None:
+    config = EngineConfig(
+        model_path=Path("unused"), dtype="float32", kv_cache_bytes=1 << 22, kv_compression=True
+    )
+    stats = Engine(config, tiny).stats()
+    assert stats.kv_quant_bits == 4
+    assert 0 < stats.kv_cold_bytes_per_token < stats.kv_bytes_per_token
