@@ -1,5 +1,8 @@
 """Writes bench/data/corpus.jsonl: 60 synthetic documents (complaints, meeting notes, filings;
-Chinese and English; 150-2,000 characters) for the engine benchmark and the schema-validity run.
+Chinese and English; 150-2,000 characters) for the engine benchmark and the schema-validity run,
+and bench/data/kv-corpus.jsonl: 120 more from another seed for the KV-compression harness, with
+a sentiment label where the construction justifies one (every complaint sentence is a grievance,
+so complaints are labelled negative; notes and filings mix good and bad news and stay unlabelled).
 
 Synthetic on purpose: sentences are drawn from hand-written banks with varied names, figures and
 dates, so the corpus is reproducible (`python bench/make_corpus.py`) and free of real customer
@@ -13,6 +16,7 @@ import random
 from pathlib import Path
 
 OUT = Path(__file__).with_name("data") / "corpus.jsonl"
+KV_OUT = Path(__file__).with_name("data") / "kv-corpus.jsonl"
 
 BANKS: dict[tuple[str, str], list[str]] = {
     ("complaint", "zh"): [
@@ -188,12 +192,21 @@ def build(seed: int = 20261130, per_cell: int = 10) -> list[dict[str, object]]:
     return documents
 
 
-if __name__ == "__main__":
-    docs = build()
-    OUT.parent.mkdir(exist_ok=True)
-    OUT.write_text("".join(json.dumps(d, ensure_ascii=False) + "\n" for d in docs), encoding="utf-8")
+def write(path: Path, docs: list[dict[str, object]]) -> None:
+    path.parent.mkdir(exist_ok=True)
+    path.write_text("".join(json.dumps(d, ensure_ascii=False) + "\n" for d in docs), encoding="utf-8")
     lengths = sorted(len(str(d["text"])) for d in docs)
     median = lengths[len(lengths) // 2]
     print(
-        f"wrote {len(docs)} documents to {OUT} (chars: min {lengths[0]}, median {median}, max {lengths[-1]})"
+        f"wrote {len(docs)} documents to {path} (chars: min {lengths[0]}, median {median}, max {lengths[-1]})"
     )
+
+
+if __name__ == "__main__":
+    write(OUT, build())
+    kv_docs = build(seed=20261201, per_cell=20)
+    for doc in kv_docs:
+        doc["document_id"] = f"kv-{doc['document_id']}"
+        if doc["kind"] == "complaint":
+            doc["label_polarity"] = "negative"
+    write(KV_OUT, kv_docs)

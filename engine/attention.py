@@ -28,6 +28,7 @@ class SeqSlice:
     kv_slots: torch.Tensor  # (n,) full-precision cache slots of its tokens, history + new, in order
     cold_blocks: torch.Tensor | None = None  # (m,) its quantised blocks (store ids), all history
     cold_tokens: int = 0  # m * block_size
+    observe: int = 0  # score the keys by the attention of the chunk's last `observe` queries
 
     @property
     def hot_len(self) -> int:
@@ -56,6 +57,7 @@ class StepBatch:
     new_slots: torch.Tensor  # (T,) where each packed token's key/value is stored
     seqs: list[SeqSlice]  # chunks of more than one token, attended one by one
     decodes: tuple[DecodeGroup, ...] = ()
+    scores: dict[int, torch.Tensor] | None = None  # q_start -> (kv_len,) attention received, summed
 
 
 def group_decodes(
@@ -145,6 +147,20 @@ def decode_attention(
     return torch.bmm(probs, value).view(num, kv_heads * groups, head_dim)
 
 
+def window_attention(query: torch.Tensor, key: torch.Tensor, window: int, scale: float) -> torch.Tensor:
+    """Attention each key receives from the last `window` queries, summed over them and all
+    heads: (L,). query (H, q, D), key (KVH, L, D), the queries being the last of the L tokens."""
+    heads, q_len, dim = query.shape
+    kv_heads, kv_len = key.shape[0], key.shape[1]
+    w = min(window, q_len)
+    q = query[:, -w:].reshape(kv_heads, heads // kv_heads * w, dim)  # heads of one KV head together
+    scores = torch.bmm(q, key.transpose(1, 2)).float() * scale  # (KVH, G*w, L)
+    q_pos = torch.arange(kv_len - w, kv_len, device=key.device)[:, None]
+    future = torch.arange(kv_len, device=key.device)[None, :] > q_pos  # (w, L)
+    scores = scores.view(kv_heads, -1, w, kv_len).masked_fill(future, float("-inf"))
+    return torch.softmax(scores, dim=-1).sum(dim=(0, 1, 2))
+
+
 def paged_attention(
     module: torch.nn.Module,
     query: torch.Tensor,  # (1, H, T, D)
@@ -172,6 +188,8 @@ def paged_attention(
         # Prompt chunks: torch's fused CPU/GPU kernel wins once the score matrix is large.
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[seq.q_start : seq.q_start + seq.q_len] = o[0].transpose(0, 1)  # (q, H, D)
+        if seq.observe and step.scores is not None:
+            step.scores[seq.q_start] += window_attention(q[0], k[0], seq.observe, scale)
     return out.unsqueeze(0), None  # (1, T, H, D), as the model's o_proj expects
 
 

@@ -104,6 +104,30 @@ class BlockManager:
         self._refs[block] = 1
         return block
 
+    def is_private(self, seq_id: int) -> bool:
+        return all(self._refs[b] == 1 for b in self.table(seq_id))
+
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Releases the sequence's blocks beyond the first `num_tokens` tokens."""
+        table = self._tables[seq_id]
+        keep = self.blocks_for(num_tokens)
+        tail, table[keep:] = table[keep:], []
+        for block in reversed(tail):
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self._free_list(block)[block] = None
+
+    def replace(self, seq_id: int, num_tokens: int) -> tuple[list[int], list[int]] | None:
+        """Gives the sequence fresh full-precision blocks for `num_tokens` tokens and releases its
+        old ones; (old table, new table) for the caller to copy between, or None if no room."""
+        if self.blocks_for(num_tokens) > len(self._free):
+            return None
+        new = [self._take(self._free) for _ in range(self.blocks_for(num_tokens))]
+        old = self._tables.get(seq_id, [])
+        self.free(seq_id)
+        self._tables[seq_id] = new
+        return old, new
+
     def settle(self, seq_id: int, index: int) -> tuple[int, int] | None:
         """Moves block `index` of the sequence to a cold block if it is hot, used by this sequence
         alone and a cold block is free; returns (hot, cold) for the caller to copy, else None."""

@@ -26,10 +26,19 @@ from engine.attention import register
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, SamplingParams
 from engine.kv_cache import ColdStore, KVCache, KVShape
+from engine.kv_prune import heuristic_scores, select_kept, smooth
 from engine.kv_quant import QuantFormat
 from engine.loader import LoadedModel, load_model
-from engine.request import EngineError, FinishReason, GenerationResult, Request, RequestHandle, id_counter
-from engine.runner import ModelRunner
+from engine.request import (
+    EngineError,
+    FinishReason,
+    GenerationResult,
+    LogitsObserver,
+    Request,
+    RequestHandle,
+    id_counter,
+)
+from engine.runner import ModelRunner, Moves, StepOutput
 from engine.scheduler import Chunk, Scheduler, SchedulerConfig
 from engine.sequence import Sequence, Status
 
@@ -94,14 +103,14 @@ def build_cache(config: EngineConfig, shape: KVShape, device: torch.device) -> K
     prompt chunk, the rest of the budget as quantised blocks."""
     budget, size = pool_budget(config, device), config.block_size
     hot_bytes = shape.bytes_per_token * size
-    if not config.kv_compression:
+    if not config.quantising:
         return KVCache(shape, max(1, budget // hot_bytes), size, device)
     fmt = QuantFormat(config.kv_quant_bits)
     per_seq = -(-config.kv_sink_tokens // size) + -(-config.kv_residual_tokens // size) + 2
-    hot = min(
-        max(1, budget // hot_bytes),
-        config.effective_batch_size * per_seq + -(-config.max_tokens_per_step // size),
-    )
+    hot_needed = config.effective_batch_size * per_seq + -(-config.max_tokens_per_step // size)
+    if config.pruning:  # prompts stay full precision until they are scored: room for a few long ones
+        hot_needed += -(-4096 // size)
+    hot = min(max(1, budget // hot_bytes), hot_needed)
     cold = max(0, budget - hot * hot_bytes) // ColdStore.bytes_per_block(shape, fmt, size)
     return KVCache(shape, hot, size, device, ColdStore(shape, fmt, cold, size, device) if cold else None)
 
@@ -115,17 +124,26 @@ class Engine:
         shape = KVShape.of(loaded.model.config, loaded.dtype)
         self.cache = build_cache(config, shape, loaded.device)
         num_blocks, num_cold = self.cache.num_blocks, self.cache.cold.num_blocks if self.cache.cold else 0
-        self.blocks = BlockManager(num_blocks, config.block_size, config.prefix_caching, num_cold)
+        prefix_caching = config.prefix_caching and not config.pruning
+        if config.prefix_caching and config.pruning:
+            log.info("KV pruning is on: prefix caching is off (pruned sequences cannot share blocks)")
+        self.blocks = BlockManager(num_blocks, config.block_size, prefix_caching, num_cold)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_running=config.effective_batch_size,
                 max_tokens_per_step=max(config.max_tokens_per_step, config.effective_batch_size),
                 residual_tokens=config.kv_residual_tokens,
                 sink_blocks=-(-config.kv_sink_tokens // config.block_size),
+                prune_window=config.kv_observe_tokens if config.pruning else 0,
             ),
             self.blocks,
         )
-        self.runner = ModelRunner(loaded, self.cache, self.blocks)
+        attention_pruning = config.pruning and config.kv_prune_policy == "attention"
+        self.runner = ModelRunner(
+            loaded, self.cache, self.blocks, config.kv_observe_tokens if attention_pruning else 0
+        )
+        self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # pruning moves for the next step
+        self._token_text: dict[int, str] = {}
         self.max_context = int(getattr(loaded.model.config, "max_position_embeddings", 32768))
         self.eos_ids = _eos_ids(loaded)
         self._next_id = id_counter()
@@ -143,7 +161,7 @@ class Engine:
             num_blocks, num_cold, config.kv_quant_bits, config.block_size, self.cache.total_bytes / 2**20,
             shape.bytes_per_token,
         )  # fmt: skip
-        if config.kv_compression and not num_cold:
+        if config.quantising and not num_cold:
             log.warning("KV_COMPRESSION=true but the KV budget leaves no room for quantised blocks")
         if config.kv_compression and getattr(loaded.model.config, "use_sliding_window", False):
             raise EngineError("KV compression does not support sliding-window attention models")
@@ -195,7 +213,14 @@ class Engine:
     def decode(self, token_ids: Seq[int]) -> str:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
 
-    def submit(self, prompt_ids: Seq[int], params: SamplingParams | None = None) -> RequestHandle:
+    def submit(
+        self,
+        prompt_ids: Seq[int],
+        params: SamplingParams | None = None,
+        observer: LogitsObserver | None = None,
+    ) -> RequestHandle:
+        """Queues a request. `observer`, if given, sees the fp32 logits of every token it samples
+        (on the worker thread, before sampling): with `forced_ids`, a teacher-forced evaluation."""
         if self._loop_task is None:
             raise EngineError("engine is not started")
         if not prompt_ids:
@@ -210,7 +235,7 @@ class Engine:
         capacity = self.blocks.num_blocks + self.blocks.num_cold_blocks
         if self.blocks.blocks_for(needed) > capacity:
             raise EngineError(f"{needed} tokens cannot fit the KV pool ({capacity} blocks)")
-        request = Request(self._next_id(), list(prompt_ids), params, asyncio.get_running_loop())
+        request = Request(self._next_id(), list(prompt_ids), params, asyncio.get_running_loop(), observer)
         seq = Sequence.of(request.request_id, request)
         self._sequences[seq.seq_id] = seq
         self.scheduler.add(seq)
@@ -283,9 +308,10 @@ class Engine:
                 if chunk.seq.request.scheduled_at is None:
                     chunk.seq.request.scheduled_at = started
                 chunk.seq.request.batch_size = max(chunk.seq.request.batch_size, len(plan))
-            settle = self.scheduler.settle()
+            moves = Moves(self._copies, self.scheduler.settle())
+            self._copies = []
             try:
-                tokens = await loop.run_in_executor(self._executor, self.runner.step, plan, settle)
+                output = await loop.run_in_executor(self._executor, self.runner.step, plan, moves)
             except Exception as exc:  # a failed step fails its sequences, not the engine
                 log.exception("step of %d sequences failed", len(plan))
                 for chunk in plan:
@@ -294,7 +320,7 @@ class Engine:
             self._num_steps += 1
             self._num_scheduled += len(plan)
             self._largest = max(self._largest, len(plan))
-            self._postprocess(plan, tokens, time.perf_counter())
+            self._postprocess(plan, output, time.perf_counter())
 
     def _admission_wait(self) -> float:
         """Seconds to hold admission so a batch can form; <= 0 admits now."""
@@ -310,14 +336,16 @@ class Engine:
         for seq in [s for s in self._sequences.values() if s.request.cancelled]:
             self._finish(seq, "cancelled")
 
-    def _postprocess(self, plan: Seq[Chunk], tokens: Seq[int | None], now: float) -> None:
-        for chunk, token in zip(plan, tokens, strict=True):
+    def _postprocess(self, plan: Seq[Chunk], output: StepOutput, now: float) -> None:
+        for chunk, token in zip(plan, output.tokens, strict=True):
             seq = chunk.seq
             if seq.status is Status.FINISHED:
                 continue
             self.scheduler.computed(chunk)
             if token is None:
                 continue
+            if self.config.pruning and not seq.pruned:
+                self._prune(seq, output.scores.get(seq.seq_id))
             params = seq.request.params
             if token in self.eos_ids and not params.ignore_eos:
                 self._finish(seq, "stop")
@@ -330,6 +358,22 @@ class Engine:
                 self._finish(seq, "length")
             elif seq.matcher is not None and seq.matcher.is_terminated():
                 self._finish(seq, "stop")
+
+    def _prune(self, seq: Sequence, attention: torch.Tensor | None) -> None:
+        """Its prompt is read: keep the sinks, the observation window and the best-scored rest."""
+        cached = seq.token_ids[: seq.num_cached]
+        # Attention scores, or the article's heuristic (also when the final chunk was one token).
+        scores = smooth(attention) if attention is not None else heuristic_scores(cached, self._text_of)
+        config = self.config
+        kept = select_kept(scores, config.kv_keep_ratio, config.kv_sink_tokens, config.kv_observe_tokens)
+        copy = self.scheduler.prune(seq, kept)
+        if copy is not None:
+            self._copies.append(copy)
+
+    def _text_of(self, token: int) -> str:
+        if token not in self._token_text:
+            self._token_text[token] = self.decode([token])
+        return self._token_text[token]
 
     def _hit_stop(self, seq: Sequence) -> bool:
         """Whether the output now contains a stop string; if so, remembers the text before it.

@@ -9,9 +9,12 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+import torch
+
 from engine.config import SamplingParams
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
+LogitsObserver = Callable[[torch.Tensor], None]  # sees each next-token fp32 logits row (V,), in order
 
 
 class EngineError(RuntimeError):
@@ -42,6 +45,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
+    observer: LogitsObserver | None = None  # called on the engine's worker thread
     arrived_at: float = field(default_factory=time.perf_counter)
     scheduled_at: float | None = None
     first_token_at: float | None = None

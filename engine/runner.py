@@ -9,6 +9,7 @@ the grammar mask. Runs on the engine's worker thread; returns tokens, mutates no
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,14 +22,30 @@ from engine.scheduler import Chunk
 from engine.sequence import Sequence
 
 
+@dataclass(frozen=True)
+class Moves:
+    """KV data to move before a step's forward: (source slots, destination slots) copies for
+    pruned sequences, then (hot, cold) blocks to quantise."""
+
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    settle: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    tokens: list[int | None]  # per chunk: its sampled token, if it reached its sequence's end
+    scores: dict[int, torch.Tensor]  # seq id -> attention its cached tokens received (to prune)
+
+
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, cache: KVCache, blocks: BlockManager) -> None:
+    def __init__(self, loaded: LoadedModel, cache: KVCache, blocks: BlockManager, observe: int = 0) -> None:
         self.model = loaded.model
         self.device = loaded.device
         self.tokenizer = loaded.tokenizer
         self.cache = cache
         self.block_size = cache.block_size
         self.blocks = blocks  # read-only here: the scheduler owns allocation
+        self.observe = observe  # attention pruning: the observation window to score with (0: off)
         self.vocab_size = int(self.model.config.vocab_size)
         self._grammar: GrammarCompiler | None = None
 
@@ -38,19 +55,30 @@ class ModelRunner:
         return self._grammar
 
     @torch.inference_mode()
-    def step(self, plan: Seq[Chunk], settle: Seq[tuple[int, int]] = ()) -> list[int | None]:
-        """The sampled token of each chunk that reaches its sequence's end (None for the others)."""
-        logits = self.forward(plan, settle)
+    def step(self, plan: Seq[Chunk], moves: Moves | None = None) -> StepOutput:
+        """The sampled token of each chunk that reaches its sequence's end (None for the others),
+        and the attention scores of the sequences that asked to be scored."""
+        scores: dict[int, torch.Tensor] = {}
+        logits = self.forward(plan, moves, scores)
         sampling = [c.seq for c in plan if c.samples]
         tokens = iter(self._sample(logits, sampling))
-        return [next(tokens) if c.samples else None for c in plan]
+        return StepOutput([next(tokens) if c.samples else None for c in plan], scores)
 
     @torch.inference_mode()
-    def forward(self, plan: Seq[Chunk], settle: Seq[tuple[int, int]] = ()) -> torch.Tensor:
+    def forward(
+        self, plan: Seq[Chunk], moves: Moves | None = None, scores: dict[int, torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """fp32 next-token logits (S, V), one row per chunk that reaches its sequence's end.
 
-        `settle` lists (hot, cold) blocks to quantise first: the scheduler has already moved them
-        in the block tables, and no block freed by that is reused before this step has run."""
+        `moves` are applied first: pruned sequences' tokens copied into their compacted blocks,
+        then blocks leaving the recent window quantised. The scheduler has already changed the
+        block tables, and no block freed by that is reused before this step has run. Chunks
+        whose sequence is to be pruned (`observe`) get their keys' scores in `scores` by seq id."""
+        moves = moves or Moves()
+        for source, destination in moves.copies:
+            self.cache.keys[:, destination] = self.cache.keys[:, source]
+            self.cache.values[:, destination] = self.cache.values[:, source]
+        settle = moves.settle
         if settle:
             hot, cold = zip(*settle, strict=True)
             self.cache.settle(
@@ -62,13 +90,20 @@ class ModelRunner:
         new_slots: list[torch.Tensor] = []
         seqs: list[SeqSlice] = []
         last_rows: list[int] = []
+        step_scores: dict[int, torch.Tensor] = {}
         for chunk in plan:
+            seq = chunk.seq
             end = chunk.start + chunk.num_tokens
-            table = self.blocks.table(chunk.seq.seq_id)
-            seqs.append(self._slice(len(ids), chunk.num_tokens, table, end))
-            ids += chunk.seq.token_ids[chunk.start : end]
+            table = self.blocks.table(seq.seq_id)
+            observe = self.observe if chunk.samples and not seq.pruned and chunk.num_tokens > 1 else 0
+            seqs.append(self._slice(len(ids), chunk.num_tokens, table, end - seq.num_dropped, observe))
+            if observe:
+                step_scores[len(ids)] = torch.zeros(end - seq.num_dropped, device=self.device)
+            ids += seq.token_ids[chunk.start : end]
             positions += range(chunk.start, end)
-            new_slots.append(slots_of(table, end, self.block_size, start=chunk.start))
+            new_slots.append(
+                slots_of(table, end - seq.num_dropped, self.block_size, start=chunk.start - seq.num_dropped)
+            )
             if chunk.samples:
                 last_rows.append(len(ids) - 1)
         # Decodes without a sliding window share one padded attention call per layer.
@@ -81,6 +116,7 @@ class ModelRunner:
             torch.cat(new_slots).to(self.device),
             [s for s in seqs if s.q_len > 1 or sliding],
             group_decodes(decodes, self.cache.shape.num_kv_heads, self.block_size, self.device),
+            step_scores,
         )
         out = self.model(
             input_ids=torch.tensor([ids], device=self.device),  # (1, T)
@@ -89,24 +125,35 @@ class ModelRunner:
             logits_to_keep=torch.tensor(last_rows, dtype=torch.long, device=self.device),
             step=batch,
         )
+        if scores is not None:
+            starts = {s.q_start: c.seq.seq_id for s, c in zip(seqs, plan, strict=True)}
+            scores.update({starts[start]: value.cpu() for start, value in step_scores.items()})
         logits: torch.Tensor = out.logits[0].float()  # (S, V): one row per sampling chunk
         return logits
 
-    def _slice(self, q_start: int, q_len: int, table: list[int], end: int) -> SeqSlice:
-        """Where a sequence's first `end` tokens are: full-precision slots and quantised blocks."""
+    def _slice(self, q_start: int, q_len: int, table: list[int], end: int, observe: int) -> SeqSlice:
+        """Where a sequence's first `end` cached tokens are: full-precision slots and quantised blocks."""
         slots = slots_of(table, end, self.block_size)
         if self.cache.cold is None:
-            return SeqSlice(q_start, q_len, slots.to(self.device))
+            return SeqSlice(q_start, q_len, slots.to(self.device), observe=observe)
         hot = self.cache.num_blocks
         blocks = torch.tensor(table[: -(-end // self.block_size)], dtype=torch.long)
         cold = blocks[blocks >= hot] - hot
         slots = slots[slots < hot * self.block_size]  # quantised blocks' slots lie beyond
         return SeqSlice(
-            q_start, q_len, slots.to(self.device), cold.to(self.device), int(cold.numel()) * self.block_size
+            q_start,
+            q_len,
+            slots.to(self.device),
+            cold.to(self.device),
+            int(cold.numel()) * self.block_size,
+            observe,
         )
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         logits = logits[:, : self.vocab_size]
+        for row, seq in enumerate(seqs):
+            if seq.request.observer is not None:  # the model's own distribution, before any mask
+                seq.request.observer(logits[row])
         constrained = [i for i, s in enumerate(seqs) if s.request.params.json_schema is not None]
         if constrained:
             bitmask = allocate_bitmask(len(seqs), self.vocab_size)
@@ -119,7 +166,9 @@ class ModelRunner:
         chosen = logits.argmax(dim=-1).tolist()  # (S,)
         for row, seq in enumerate(seqs):
             params = seq.request.params
-            if params.temperature > 0:
+            if params.forced_ids:
+                chosen[row] = params.forced_ids[seq.num_output]
+            elif params.temperature > 0:
                 chosen[row] = _sample_row(logits[row], params.temperature, params.top_p, _generator(seq))
             if seq.matcher is not None:
                 seq.matcher.accept_token(chosen[row])

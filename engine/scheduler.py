@@ -7,9 +7,10 @@ Policy, in order, within a per-step token budget:
    ordered by remaining prompt length (shortest first), then age; preempted sequences go first.
 When the block pool cannot hold a decode, the youngest running sequence is preempted: its blocks
 are freed and it goes back to the front of the queue to be recomputed later (its generated tokens
-are kept, so its output does not change). A joining sequence first adopts the cached blocks of its
+are kept, so its output does not change; a pruned sequence is recomputed in full and pruned
+again). A joining sequence first adopts the cached blocks of its
 longest known prefix (see `BlockManager.adopt_prefix`) and prefills only the rest.
-Pure bookkeeping over `BlockManager`: no tensors.
+Bookkeeping over `BlockManager`: no model tensors (index tensors for pruning moves only).
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+import torch
+
 from engine.block_manager import BlockManager
+from engine.kv_cache import slots_of
 from engine.sequence import Sequence, Status
 
 
@@ -27,6 +31,7 @@ class SchedulerConfig:
     max_tokens_per_step: int
     residual_tokens: int = 32  # with quantised blocks: the most recent tokens stay full precision
     sink_blocks: int = 1  # and so do the first blocks (attention sinks)
+    prune_window: int = 0  # with KV pruning: the observation window every final prompt chunk holds
 
     def __post_init__(self) -> None:
         if self.max_running < 1 or self.max_tokens_per_step < self.max_running:
@@ -73,7 +78,31 @@ class Scheduler:
         """Records that the chunk's tokens are now in the cache (their blocks become reusable)."""
         seq = chunk.seq
         seq.num_computed = chunk.start + chunk.num_tokens
-        self.blocks.register(seq.seq_id, seq.token_ids, seq.num_computed)
+        if not seq.num_dropped:
+            self.blocks.register(seq.seq_id, seq.token_ids, seq.num_computed)
+
+    def prune(self, seq: Sequence, kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Keeps only the cached tokens at indices `kept` (sorted), compacted to the front of its
+        blocks (or into fresh ones if some are shared) and the rest released;
+        (source, destination) slots for the runner to copy, or None if nothing moves."""
+        seq.pruned = True
+        total = seq.num_cached
+        if kept.numel() >= total:
+            return None
+        size, count = self.blocks.block_size, int(kept.numel())
+        table = self.blocks.table(seq.seq_id)
+        source = slots_of(table, total, size)[kept]
+        if self.blocks.is_private(seq.seq_id):  # compact in place: kept index i moves to i (<= its own)
+            destination = slots_of(table, count, size)
+            self.blocks.truncate(seq.seq_id, count)
+        else:  # shared blocks must not be overwritten: compact into fresh ones
+            tables = self.blocks.replace(seq.seq_id, count)
+            if tables is None:
+                return None  # no room to compact into: keep everything
+            destination = slots_of(tables[1], count, size)
+        seq.num_dropped += total - count
+        seq.num_settled_blocks = 0
+        return source, destination
 
     def schedule(self, admit: bool) -> list[Chunk]:
         while True:
@@ -89,7 +118,7 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not Status.RUNNING or not seq.is_decoding:
                 continue
-            while not self.blocks.can_allocate(seq.seq_id, seq.num_computed + 1):
+            while not self.blocks.can_allocate(seq.seq_id, seq.num_cached + 1):
                 self._preempt(self.running[-1])
                 if seq.status is not Status.RUNNING:
                     break
@@ -121,6 +150,14 @@ class Scheduler:
                 n = min(seq.num_pending, budget, self._room(seq))
                 if n <= 0:
                     break
+            if (
+                self.config.prune_window
+                and not seq.pruned
+                and 0 < seq.num_pending - n < self.config.prune_window
+            ):
+                n = seq.num_pending - self.config.prune_window  # the final chunk must hold the window
+                if n <= 0:
+                    continue
             plan.append(self._take(seq, n))
             budget -= n
         return plan
@@ -132,8 +169,10 @@ class Scheduler:
         if not self.blocks.num_cold_blocks:
             return moves
         for seq in self.running:
+            if self.config.prune_window and not seq.pruned:
+                continue  # its prompt is still read in full precision, to be scored and pruned
             limit = min(
-                (seq.num_computed - self.config.residual_tokens) // self.blocks.block_size,
+                (seq.num_cached - self.config.residual_tokens) // self.blocks.block_size,
                 len(self.blocks.table(seq.seq_id)),
             )
             for index in range(max(seq.num_settled_blocks, self.config.sink_blocks), limit):
@@ -146,19 +185,21 @@ class Scheduler:
         return moves
 
     def _take(self, seq: Sequence, n: int) -> Chunk:
-        self.blocks.allocate(seq.seq_id, seq.num_computed + n)
+        self.blocks.allocate(seq.seq_id, seq.num_cached + n)
         return Chunk(seq, seq.num_computed, n)
 
     def _room(self, seq: Sequence) -> int:
         """Tokens the sequence can still add with its own blocks plus the free pool."""
         capacity = (len(self.blocks.table(seq.seq_id)) + self.blocks.num_free) * self.blocks.block_size
-        return capacity - seq.num_computed
+        return capacity - seq.num_cached
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free(seq.seq_id)
         seq.num_computed = 0
         seq.num_settled_blocks = 0
+        seq.num_dropped = 0
+        seq.pruned = False
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

@@ -27,6 +27,8 @@ class Sequence:
     status: Status = Status.WAITING
     num_preemptions: int = 0
     num_settled_blocks: int = 0  # leading blocks already considered for quantised storage
+    num_dropped: int = 0  # tokens pruned from the cache: position p sits at cache index p - this
+    pruned: bool = False  # the pruning decision for this residency in the cache has been made
     matcher: Any = None  # xgrammar GrammarMatcher, created on the runner thread on first use
     generator: torch.Generator | None = field(default=None, repr=False)
     final_text: str | None = None  # set when a stop string ended the sequence: the text before it
@@ -39,6 +41,11 @@ class Sequence:
     def num_pending(self) -> int:
         """Tokens to run through the model before the next one can be sampled."""
         return len(self.token_ids) - self.num_computed
+
+    @property
+    def num_cached(self) -> int:
+        """Tokens whose keys and values the cache holds (computed, less those pruned)."""
+        return self.num_computed - self.num_dropped
 
     @property
     def num_output(self) -> int:

@@ -95,6 +95,8 @@ class Service:
                 "quant_bits": stats.kv_quant_bits,
                 "residual_tokens": self.settings.kv_residual_tokens,
                 "sink_tokens": self.settings.kv_sink_tokens,
+                "keep_ratio": self.settings.kv_keep_ratio,
+                "prune_policy": self.settings.kv_prune_policy,
             }
             if stats.kv_compression
             else None,

@@ -55,14 +55,17 @@ class Settings(BaseSettings):
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     dynamic_batching: bool = False
     kv_compression: bool = False
-    kv_quant_bits: int = Field(default=4, ge=4, le=8, multiple_of=4, description="4 or 8 bits a value.")
+    kv_quant_bits: int = Field(default=4, ge=4, le=16, multiple_of=4, description="4, 8, or 16 (none).")
     kv_residual_tokens: int = Field(
         default=32, ge=0, le=4096, description="Recent tokens kept full precision."
     )
     kv_sink_tokens: int = Field(default=4, ge=0, le=1024, description="First tokens kept full precision.")
+    kv_keep_ratio: float = Field(default=1.0, gt=0, le=1, description="Share of each prompt kept (pruning).")
+    kv_prune_policy: Literal["attention", "heuristic"] = "attention"
+    kv_observe_tokens: int = Field(default=32, ge=1, le=1024, description="Observation window when pruning.")
     max_batch_size: int = Field(default=8, ge=1, le=256)
     dynamic_batch_window_ms: float = Field(default=150.0, ge=0, le=10_000)
-    max_tokens_per_step: int = Field(default=512, ge=1, description="Prefill chunks + decodes per forward.")
+    max_tokens_per_step: int = Field(default=256, ge=1, description="Prefill chunks + decodes per forward.")
     kv_cache_bytes: int | None = Field(
         default=None, ge=1, description="KV pool budget; default: a share of free memory."
     )

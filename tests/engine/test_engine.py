@@ -225,3 +225,21 @@ async def test_stop_string_ends_the_request_and_is_cut(tiny: LoadedModel) -> Non
     assert cut.finish_reason == "stop"
     assert cut.text == text[: text.find(stop)]
     assert len(cut.token_ids) < len(free.token_ids)
+
+
+async def test_teacher_forcing_emits_the_forced_tokens_and_shows_the_models_logits(tiny: LoadedModel) -> None:
+    async with make_engine(tiny, dynamic_batching=True, max_batch_size=4) as engine:
+        ids = engine.format_chat([{"role": "user", "content": PROMPTS[2]}])
+        greedy = reference(tiny, ids, 6)
+        forced = [5, 6, 7, 8, 9, 10]
+        seen: list[torch.Tensor] = []
+        params = SamplingParams(max_new_tokens=6, forced_ids=tuple(forced), ignore_eos=True)
+        result = await engine.submit(ids, params, lambda logits: seen.append(logits.clone())).result()
+    assert result.token_ids == forced
+    assert len(seen) == 6 and seen[0].dtype == torch.float32
+    assert int(seen[0].argmax()) == greedy[0]  # the first position sees only the prompt
+    with stock_attention(tiny), torch.inference_mode():  # position i sees the prompt + forced[:i]
+        full = tiny.model(torch.tensor([ids + forced[:5]])).logits[0, len(ids) - 1 :].float()
+    assert torch.allclose(torch.stack(seen), full[:, : seen[0].shape[0]], atol=1e-4)
+    with pytest.raises(ValueError, match="forced_ids"):
+        SamplingParams(max_new_tokens=8, forced_ids=(1, 2))

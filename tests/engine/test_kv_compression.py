@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.attention import SeqSlice, decode_attention, group_decodes
+from engine.attention import SeqSlice, decode_attention, group_decodes, window_attention
 from engine.kv_cache import ColdStore, KVCache, KVShape, slots_of
+from engine.kv_prune import heuristic_scores, select_kept, smooth
 from engine.kv_quant import (
     QuantFormat,
     dequantize_keys,
@@ -19,6 +20,7 @@ from engine.kv_quant import (
     quantize_values,
 )
 from engine.loader import LoadedModel
+from engine.selftest import stock_attention
 from engine.tiny import build_tiny
 
 
@@ -147,3 +149,77 @@ async def test_status_reports_compression(tiny: LoadedModel) -> None:
     stats = Engine(config, tiny).stats()
     assert stats.kv_quant_bits == 4
     assert 0 < stats.kv_cold_bytes_per_token < stats.kv_bytes_per_token
+
+
+def test_pruning_keeps_sinks_window_and_the_top_scored_exactly() -> None:
+    scores = torch.tensor([0.0, 0, 5, 1, 9, 1, 7, 0, 0, 0])  # 10 tokens
+    kept = select_kept(scores, keep_ratio=0.6, sinks=2, window=2)  # 6 tokens: 2 + 2 + best 2
+    assert kept.tolist() == [0, 1, 4, 6, 8, 9]
+    ties = select_kept(torch.ones(10), keep_ratio=0.5, sinks=1, window=1)
+    assert ties.tolist() == [0, 6, 7, 8, 9]  # ties go to later tokens
+    assert select_kept(scores, keep_ratio=0.1, sinks=4, window=4).tolist() == [0, 1, 2, 3, 6, 7, 8, 9]
+    assert select_kept(scores, keep_ratio=1.0, sinks=0, window=1).tolist() == list(range(10))
+    assert smooth(torch.tensor([0.0, 0, 3, 0, 0]), kernel=3).tolist() == [0, 3, 3, 3, 0]
+
+
+def test_the_articles_heuristic_scores_punctuation_function_words_and_repeats_zero() -> None:
+    words = {1: "The", 2: " fee", 3: "，", 4: "的", 5: " wrong", 6: "!"}
+    scores = heuristic_scores([1, 2, 3, 4, 5, 2, 5, 2, 5, 6], lambda t: words[t])
+    # the bigrams at 4-5 (" wrong", " fee") and 5-6 (" fee", " wrong") come again at 6-7 and 7-8
+    assert scores.tolist() == [0, 1, 0, 0, 1, 1, 1, 0, 0, 0]
+
+
+def test_window_attention_sums_each_keys_share_of_the_last_queries() -> None:
+    gen = torch.Generator().manual_seed(3)
+    query, key = (
+        torch.randn(4, 6, 8, generator=gen),
+        torch.randn(2, 6, 8, generator=gen),
+    )  # 4 heads, 2 KV heads
+    got = window_attention(query, key, window=2, scale=0.5)
+    expected = torch.zeros(6)
+    for head in range(4):
+        for i in (4, 5):  # the last two tokens, each attending to itself and before
+            weights = torch.softmax(query[head, i] @ key[head // 2, : i + 1].T * 0.5, dim=-1)
+            expected[: i + 1] += weights
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert float(got.sum()) == pytest.approx(8.0)  # 4 heads x 2 queries, each distributing 1
+
+
+@torch.inference_mode()
+def recompute_pruned(loaded: LoadedModel, ids: list[int], kept: list[int], n: int) -> list[int]:
+    """Greedy decoding by full recomputation where every generated token's query sees only the
+    kept prompt tokens and the generated ones (the prompt itself was read in full)."""
+    seq, prompt = list(ids), len(ids)
+    with stock_attention(loaded):
+        for _ in range(n):
+            size = len(seq)
+            allowed = torch.ones(size, size, dtype=torch.bool).tril()
+            visible = torch.zeros(size, dtype=torch.bool)
+            visible[kept] = True
+            allowed[prompt:, :prompt] &= visible[:prompt]
+            logits = loaded.model(torch.tensor([seq]), attention_mask=allowed[None, None]).logits
+            seq.append(int(logits[0, -1].argmax()))
+    return seq[prompt:]
+
+
+async def test_pruned_engine_matches_recomputation_that_masks_the_dropped_tokens(tiny: LoadedModel) -> None:
+    """Pruning is exact: kept tokens' keys and values (positions unchanged) are what the dropped
+    ones' absence leaves. The heuristic policy makes the kept set computable here."""
+    options = {"kv_compression": True, "kv_quant_bits": 16, "kv_keep_ratio": 0.5, "kv_sink_tokens": 4}
+    outputs, ratios = await run(tiny, **options, kv_prune_policy="heuristic", kv_observe_tokens=8)
+    assert min(ratios) < 0.75  # about half of each prompt is gone
+    engine = Engine(EngineConfig(model_path=Path("unused"), dtype="float32", kv_cache_bytes=1 << 22), tiny)
+    for i, output in enumerate(outputs):
+        ids = engine.format_chat([{"role": "user", "content": f"document {i}: " + "late fee " * 8}])
+        scores = heuristic_scores(ids, lambda t: engine.decode([t]))
+        kept = select_kept(scores, 0.5, sinks=4, window=8).tolist()
+        assert len(kept) < len(ids)
+        assert output == recompute_pruned(tiny, ids, kept, len(output))
+
+
+async def test_attention_pruning_with_int4_blocks_holds_a_fraction_of_the_bytes(tiny: LoadedModel) -> None:
+    options = {"kv_compression": True, "kv_quant_bits": 4, "kv_keep_ratio": 0.5, "kv_observe_tokens": 8}
+    outputs, ratios = await run(tiny, **options, kv_residual_tokens=4)
+    assert all(len(o) == 24 for o in outputs)
+    # fp32 tiny model: int4 blocks take 224 of 512 bytes a token; half the prompt is gone
+    assert min(ratios) < 0.4

@@ -7,9 +7,11 @@ import asyncio
 import random
 
 import pytest
+import torch
 
 from engine.block_manager import BlockManager
 from engine.config import SamplingParams
+from engine.kv_prune import select_kept
 from engine.request import Request
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import Sequence, Status
@@ -180,5 +182,83 @@ def test_decodes_run_before_prefill_chunks() -> None:
             for c in plan:
                 c.seq.num_computed += c.num_tokens
             short.token_ids.append(5)
+    finally:
+        loop.close()
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_random_load_with_pruning_and_quantised_blocks(seed: int) -> None:
+    """Prompts pruned to about half once read (compacted, the tail released), old blocks
+    quantised: the cache always holds exactly each sequence's kept tokens, every block returns."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    loop = asyncio.new_event_loop()
+    try:
+        size = 8
+        blocks = BlockManager(24, size, prefix_caching=False, num_cold_blocks=48)
+        config = SchedulerConfig(
+            max_running=rng.choice([4, 8]), max_tokens_per_step=rng.choice([16, 64]), residual_tokens=8,
+            prune_window=4,
+        )  # fmt: skip
+        scheduler = Scheduler(config, blocks)
+        prompts = [[rng.randrange(50) for _ in range(rng.randint(1, 120))] for _ in range(300)]
+        pending = [make_sequence(i, p, rng.randint(1, 60), loop) for i, p in enumerate(prompts)]
+        written: dict[int, tuple[int, int]] = {}  # slot -> (token, position)
+        held: dict[int, list[int]] = {}  # seq id -> positions its cache holds, in cache order
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        finished = pruned = 0
+        for _ in range(100_000):
+            if not (pending or scheduler.has_work):
+                break
+            for _ in range(rng.randint(0, 2)):
+                if pending:
+                    scheduler.add(pending.pop())
+            plan = scheduler.schedule(admit=True)
+            for source, destination in copies:  # what the runner does first
+                values = [written.get(int(s)) for s in source]
+                for d, v in zip(destination.tolist(), values, strict=True):
+                    written[d] = v  # type: ignore[assignment]
+            copies = []
+            for hot, cold in scheduler.settle():
+                for i in range(size):
+                    written[cold * size + i] = written[hot * size + i]
+            for chunk in plan:
+                seq = chunk.seq
+                table = blocks.table(seq.seq_id)
+                slot = [b * size + i for b in table for i in range(size)]
+                if chunk.start == 0:
+                    held[seq.seq_id] = []
+                positions = held[seq.seq_id]
+                assert len(positions) == chunk.start - seq.num_dropped == seq.num_cached
+                assert [written.get(slot[i]) for i in range(len(positions))] == [
+                    (seq.token_ids[p], p) for p in positions
+                ]
+                if chunk.samples and not seq.pruned:
+                    assert chunk.num_tokens >= min(config.prune_window, len(seq.token_ids)), (
+                        "window in the final chunk"
+                    )
+                for p in range(chunk.start, chunk.start + chunk.num_tokens):
+                    index = p - seq.num_dropped
+                    assert not blocks.is_cold(table[index // size])
+                    written[slot[index]] = (seq.token_ids[p], p)
+                    positions.append(p)
+            for chunk in plan:
+                seq = chunk.seq
+                scheduler.computed(chunk)
+                if not chunk.samples:
+                    continue
+                if not seq.pruned:
+                    kept = select_kept(torch.rand(seq.num_cached), 0.5, sinks=2, window=4)
+                    if (copy := scheduler.prune(seq, kept)) is not None:
+                        copies.append(copy)
+                        held[seq.seq_id] = [held[seq.seq_id][i] for i in kept.tolist()]
+                        pruned += 1
+                seq.token_ids.append(7)
+                if seq.num_output >= seq.request.params.max_new_tokens:
+                    scheduler.finish(seq)
+                    finished += 1
+        assert finished == 300
+        assert pruned > 100
+        assert (blocks.num_free, blocks.num_free_cold) == (24, 48), "every block returned"
     finally:
         loop.close()

@@ -60,7 +60,8 @@ async def test_kv_compression_switch_changes_status_and_the_engines_memory(
         await handle.result()
     assert status["kv_compression"] is (kv == "true")
     if kv == "true":
-        assert status["kv_profile"] == {"quant_bits": 8, "residual_tokens": 32, "sink_tokens": 4}
+        profile = {"quant_bits": 8, "residual_tokens": 32, "sink_tokens": 4, "keep_ratio": 1.0}
+        assert status["kv_profile"] == profile | {"prune_policy": "attention"}
         assert min(ratios) < 0.8
     else:
         assert status["kv_profile"] is None

@@ -1,0 +1,329 @@
+"""KV-compression harness: memory and quality of each compression profile, in one run.
+
+For every profile, on the documents of bench/data/kv-corpus.jsonl (zh/en, three kinds):
+  * analysis pass: each document's analysis generated with its JSON Schema (all documents at
+    once, the same batch size for every profile): tokens/s, p50/p95 latency, valid JSON;
+  * KV bytes per token: what the pool holds for a document at its last step (its block table,
+    full-precision and quantised blocks, exact bytes, all layers) over the tokens it holds, as a
+    ratio to bf16; and how many 2,000-character documents fit a fixed pool at that size;
+  * teacher-forced pass (compressed profiles): the document's prompt, then the uncompressed
+    profile's output token by token (its first --tf-tokens); next-token KL divergence and top-1
+    agreement against the uncompressed logits. KL is taken over the reference's top-k tokens plus
+    one bucket for the rest of the vocabulary (a lower bound on the full KL, tight when the top-k
+    hold the mass);
+  * analysis agreement with the uncompressed profile: sentiment polarity, doubt and expectation
+    flags, and a character-bigram Dice similarity of the core viewpoints; and with the corpus
+    label where there is one (complaints: negative).
+Prefix caching is off here: every document's blocks are its own, so the bytes are per document.
+
+    python -m bench.kv_quality --out bench/results/kv-quality-cpu.json
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from bench import common
+from engine import Engine, EngineConfig, SamplingParams
+from engine.loader import LoadedModel, load_model
+from prompts import AnalysisParseError, parse_analysis, render
+from schemas import DocumentKind, Language, analysis_json_schema
+
+CORPUS = Path(__file__).with_name("data") / "kv-corpus.jsonl"
+
+PROFILES: dict[str, dict[str, Any]] = {
+    "off": {},
+    "int8": {"kv_compression": True, "kv_quant_bits": 8},
+    "int4": {"kv_compression": True, "kv_quant_bits": 4},
+    "prune-0.5": {"kv_compression": True, "kv_quant_bits": 16, "kv_keep_ratio": 0.5},
+    "article-heuristic-0.5": {
+        "kv_compression": True,
+        "kv_quant_bits": 16,
+        "kv_keep_ratio": 0.5,
+        "kv_prune_policy": "heuristic",
+    },
+    "int4+prune-0.7": {"kv_compression": True, "kv_quant_bits": 4, "kv_keep_ratio": 0.7},
+    "int8+prune-0.4": {"kv_compression": True, "kv_quant_bits": 8, "kv_keep_ratio": 0.4},
+    "aggressive-int4+prune-0.35-w16": {
+        "kv_compression": True,
+        "kv_quant_bits": 4,
+        "kv_keep_ratio": 0.35,
+        "kv_residual_tokens": 16,
+    },
+}
+
+
+@dataclass
+class DocResult:
+    document_id: str
+    kind: str
+    language: str
+    chars: int
+    label: str | None
+    prompt_tokens: int
+    output_ids: list[int]
+    latency_s: float
+    ttft_s: float
+    valid: bool
+    analysis: dict[str, Any] | None
+    kv_bytes: int  # held by the document's block table at its last step
+    kv_tokens: int  # tokens held then
+    kl: list[float] = field(default_factory=list)  # teacher-forced, per output position
+    top1: list[bool] = field(default_factory=list)
+
+
+@dataclass
+class Reference:
+    """The uncompressed run's next-token distributions, top-k per output position."""
+
+    ids: list[torch.Tensor]  # per document (n, k) int
+    logp: list[torch.Tensor]  # per document (n, k) float
+
+
+def load_corpus(limit: int | None) -> list[dict[str, Any]]:
+    docs = [json.loads(line) for line in CORPUS.read_text(encoding="utf-8").splitlines()]
+    return docs[:limit] if limit else docs
+
+
+def held(engine: Engine, seq_id: int) -> tuple[int, int]:
+    """Exact bytes of the sequence's blocks (all layers) and the tokens it holds."""
+    blocks = engine.blocks
+    table = blocks.table(seq_id)
+    cold = sum(blocks.is_cold(b) for b in table)
+    size = cold * engine.cache.bytes_per_cold_block + (len(table) - cold) * engine.cache.bytes_per_block
+    seq = engine.scheduler.running
+    tokens = next((s.num_computed for s in seq if s.seq_id == seq_id), 0)
+    return size, tokens
+
+
+async def analysis_pass(
+    engine: Engine, docs: list[dict[str, Any]], top_k: int | None
+) -> tuple[list[DocResult], Reference, float]:
+    """Generates every analysis; with `top_k`, records the reference distributions as well."""
+    schemas = {
+        (k, lang): json.dumps(analysis_json_schema(k, lang)) for k in DocumentKind for lang in Language
+    }
+    ref = Reference([], [])
+
+    async def one(doc: dict[str, Any]) -> DocResult:
+        kind, language = DocumentKind(doc["kind"]), Language(doc["language"])
+        ids = engine.format_chat(render(kind, language, doc["text"]).messages)
+        rows_ids: list[torch.Tensor] = []
+        rows_logp: list[torch.Tensor] = []
+        last: dict[str, tuple[int, int]] = {}
+        seq_id: list[int] = []
+
+        def observe(logits: torch.Tensor) -> None:
+            last["held"] = held(engine, seq_id[0])
+            if top_k:
+                logp, top = torch.log_softmax(logits, dim=-1).topk(top_k)
+                rows_ids.append(top.to(torch.int32))
+                rows_logp.append(logp)
+
+        params = SamplingParams(max_new_tokens=1024, json_schema=schemas[(kind, language)])
+        handle = engine.submit(ids, params, observe)
+        seq_id.append(handle.request_id)
+        result = await handle.result()
+        try:
+            analysis: dict[str, Any] | None = parse_analysis(result.text, kind).model_dump(mode="json")
+        except AnalysisParseError:
+            analysis = None
+        if top_k:
+            ref.ids.append(torch.stack(rows_ids[: len(result.token_ids)]))
+            ref.logp.append(torch.stack(rows_logp[: len(result.token_ids)]))
+        kv_bytes, kv_tokens = last.get("held", (0, 0))
+        return DocResult(
+            doc["document_id"], kind.value, language.value, len(doc["text"]), doc.get("label_polarity"),
+            len(ids), result.token_ids, result.total_s, result.ttft_s, analysis is not None, analysis,
+            kv_bytes, kv_tokens,
+        )  # fmt: skip
+
+    started = time.perf_counter()
+    results = list(await asyncio.gather(*(one(d) for d in docs)))
+    return results, ref, time.perf_counter() - started
+
+
+async def teacher_forced_pass(
+    engine: Engine, docs: list[dict[str, Any]], reference: list[DocResult], ref: Reference, limit: int
+) -> list[tuple[list[float], list[bool]]]:
+    """KL and top-1 agreement along the reference outputs (their first `limit` tokens)."""
+
+    async def one(i: int) -> tuple[list[float], list[bool]]:
+        doc, forced = docs[i], reference[i].output_ids[:limit]
+        kind, language = DocumentKind(doc["kind"]), Language(doc["language"])
+        ids = engine.format_chat(render(kind, language, doc["text"]).messages)
+        kls: list[float] = []
+        top1: list[bool] = []
+
+        def observe(logits: torch.Tensor) -> None:
+            pos = len(kls)
+            logq = torch.log_softmax(logits, dim=-1)
+            top_ids, top_logp = ref.ids[i][pos].long(), ref.logp[i][pos]
+            p = top_logp.exp()
+            q_logp = logq[top_ids]
+            p_rest = max(0.0, 1.0 - float(p.sum()))
+            q_rest = max(1e-12, 1.0 - float(q_logp.exp().sum()))
+            rest = p_rest * (math.log(p_rest) - math.log(q_rest)) if p_rest > 0 else 0.0
+            kls.append(float((p * (top_logp - q_logp)).sum()) + rest)
+            top1.append(int(logits.argmax()) == int(top_ids[0]))
+
+        if not forced:
+            return [], []
+        params = SamplingParams(max_new_tokens=len(forced), forced_ids=tuple(forced), ignore_eos=True)
+        await engine.submit(ids, params, observe).result()
+        return kls, top1
+
+    return list(await asyncio.gather(*(one(i) for i in range(len(docs)))))
+
+
+def dice(a: str, b: str) -> float:
+    """Character-bigram Dice similarity (works for Chinese and English alike)."""
+    grams = [{x[i : i + 2] for i in range(len(x) - 1)} for x in (a.lower(), b.lower())]
+    if not grams[0] and not grams[1]:
+        return 1.0
+    return 2 * len(grams[0] & grams[1]) / (len(grams[0]) + len(grams[1]))
+
+
+def agreement(results: list[DocResult], reference: list[DocResult]) -> dict[str, float]:
+    pairs = [
+        (r.analysis, b.analysis) for r, b in zip(results, reference, strict=True) if r.analysis and b.analysis
+    ]
+    labelled = [(r.analysis, r.label) for r in results if r.label and r.analysis]
+
+    def share(values: list[bool]) -> float:
+        return sum(values) / len(values) if values else float("nan")
+
+    def flag(name: str) -> float:
+        return share([a["sentiment"][name] == b["sentiment"][name] for a, b in pairs])
+
+    return {
+        "polarity": flag("polarity"),
+        "doubt": flag("implies_doubt"),
+        "expectation": flag("implies_expectation"),
+        "viewpoint_dice": statistics.mean([dice(a["core_viewpoint"], b["core_viewpoint"]) for a, b in pairs])
+        if pairs
+        else float("nan"),
+        "label_polarity": share([a["sentiment"]["polarity"] == label for a, label in labelled]),
+    }
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))] if ordered else float("nan")
+
+
+Baseline = tuple[list[DocResult], Reference]
+
+
+async def run_profile(
+    loaded: LoadedModel, name: str, docs: list[dict[str, Any]], args: Any, base: Baseline | None
+) -> tuple[dict[str, Any], list[DocResult], Reference]:
+    config = EngineConfig(
+        model_path=Path("bench"), dynamic_batching=True, max_batch_size=args.max_batch,
+        kv_cache_bytes=args.pool_mib << 20, prefix_caching=False, **PROFILES[name],
+    )  # fmt: skip
+    engine = Engine(config, loaded)
+    async with engine:
+        results, ref, wall = await analysis_pass(engine, docs, args.top_k if base is None else None)
+        forced = await teacher_forced_pass(engine, docs, *base, args.tf_tokens) if base is not None else []
+        preemptions = engine.stats().num_preemptions
+    for r, (kl, top1) in zip(results, forced, strict=False):
+        r.kl, r.top1 = kl, top1
+    bf16 = engine.cache.shape.bytes_per_token
+    ratios = [r.kv_bytes / r.kv_tokens / bf16 for r in results if r.kv_tokens]
+    long_docs = [r.kv_bytes for r in results if r.chars >= 1500 and r.kv_tokens]
+    kls = [k for r in results for k in r.kl]
+    summary = {
+        "profile": name, "settings": PROFILES[name], "documents": len(results),
+        "valid_json": sum(r.valid for r in results) / len(results),
+        "kv_ratio_median": statistics.median(ratios) if ratios else float("nan"),
+        "kv_ratio_max": max(ratios) if ratios else float("nan"),
+        "bytes_per_long_doc": statistics.median(long_docs) if long_docs else float("nan"),
+        "fit_2000_char_docs": int((args.fit_pool_mib << 20) // statistics.median(long_docs)) if long_docs else 0,
+        "tok_s": sum(len(r.output_ids) for r in results) / wall, "wall_s": wall,
+        "p50_s": _pct([r.latency_s for r in results], 50), "p95_s": _pct([r.latency_s for r in results], 95),
+        "preemptions": preemptions,
+        "kl_mean": statistics.mean(kls) if kls else None,
+        "top1": sum(t for r in results for t in r.top1) / len(kls) if kls else None,
+    }  # fmt: skip
+    if base is not None:
+        summary |= {f"agree_{k}": v for k, v in agreement(results, base[0]).items()}
+    else:
+        summary |= {"agree_label_polarity": agreement(results, results)["label_polarity"]}
+    return summary, results, ref
+
+
+def main() -> None:
+    parser = common.parser(__doc__)
+    parser.add_argument("--profiles", default=",".join(PROFILES))
+    parser.add_argument(
+        "--docs", type=int, default=None, help="first N documents of the corpus (default: all)"
+    )
+    parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument(
+        "--pool-mib", type=int, default=1024, help="KV pool for the quality runs (no preemption)"
+    )
+    parser.add_argument(
+        "--fit-pool-mib", type=int, default=256, help="pool for the 2,000-character fit count"
+    )
+    parser.add_argument("--top-k", type=int, default=256)
+    parser.add_argument("--tf-tokens", type=int, default=128, help="teacher-force this many output tokens")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/kv-quality.json"))
+    args = parser.parse_args()
+    console = Console(width=160)
+    args.model = common.model_path(args.model)
+    loaded = load_model(args.model, dtype="bfloat16")
+    docs = load_corpus(args.docs)
+    names = [n for n in args.profiles.split(",") if n]
+    if names[0] != "off":
+        names.insert(0, "off")  # the reference every other profile is compared with
+    summaries, per_doc = [], {}
+    base: Baseline | None = None
+    for name in names:
+        console.print(f"profile {name}: {len(docs)} documents ...")
+        summary, results, ref = asyncio.run(run_profile(loaded, name, docs, args, base))
+        if base is None:
+            base = (results, ref)
+        summaries.append(summary)
+        per_doc[name] = [asdict(r) | {"kl_mean": statistics.mean(r.kl) if r.kl else None} for r in results]
+        for r in per_doc[name]:
+            r.pop("kl"), r.pop("top1"), r.pop("output_ids")
+        console.print(f"  {summary['tok_s']:.1f} tok/s, KV ratio {summary['kv_ratio_median']:.3f}")
+
+    table = Table("profile", "KV bytes/token vs bf16", "fit 2k-char docs", "KL mean", "top-1", "polarity =",
+                  "doubt =", "expect =", "viewpoint sim", "label", "valid JSON", "tok/s", "p95 s",
+                  title=f"KV compression, {len(docs)} documents, bf16, batch {args.max_batch}")  # fmt: skip
+
+    def f(v: Any, spec: str) -> str:
+        return "-" if v is None else format(v, spec)
+
+    for s in summaries:
+        table.add_row(s["profile"], f(s["kv_ratio_median"], ".3f"), str(s["fit_2000_char_docs"]), f(s["kl_mean"], ".4f"),
+                      f(s["top1"], ".3f"), f(s.get("agree_polarity"), ".3f"), f(s.get("agree_doubt"), ".3f"),
+                      f(s.get("agree_expectation"), ".3f"), f(s.get("agree_viewpoint_dice"), ".3f"),
+                      f(s.get("agree_label_polarity"), ".3f"), f(s["valid_json"], ".3f"), f(s["tok_s"], ".1f"),
+                      f(s["p95_s"], ".1f"))  # fmt: skip
+    console.print(table)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "machine": {"threads": torch.get_num_threads(), "platform": platform.platform(), "torch": torch.__version__},
+        "config": vars(args) | {"model": str(args.model), "out": str(args.out)},
+        "summaries": summaries, "documents": per_doc,
+    }, indent=1, ensure_ascii=False, default=str))  # fmt: skip
+    console.print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
