@@ -79,11 +79,14 @@ def dequantize_keys(
     codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, fmt: QuantFormat
 ) -> torch.Tensor:
     """codes (..., block_size, KVH, C), scale/min (..., KVH, D) -> keys (..., block_size, KVH, D)."""
-    return torch.addcmul(low.unsqueeze(-3), _unpack(codes, fmt).to(scale.dtype), scale.unsqueeze(-3))
+    # Computed in fp32 and cast once: on CPU a bf16 multiply-add converts each operand anyway.
+    keys = torch.addcmul(low.unsqueeze(-3).float(), _unpack(codes, fmt).float(), scale.unsqueeze(-3).float())
+    return keys.to(scale.dtype)
 
 
 def dequantize_values(
     codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, fmt: QuantFormat
 ) -> torch.Tensor:
     """codes (..., KVH, C), scale/min (..., KVH) -> values (..., KVH, D)."""
-    return torch.addcmul(low.unsqueeze(-1), _unpack(codes, fmt).to(scale.dtype), scale.unsqueeze(-1))
+    values = _unpack(codes, fmt).float().mul_(scale.unsqueeze(-1).float()).add_(low.unsqueeze(-1).float())
+    return values.to(scale.dtype)
