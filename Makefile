@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: install demo test lint typecheck unit schemas bench-engine bench-validity clean
+.PHONY: install demo test lint typecheck unit schemas bench-engine bench-validity bench-kv clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,9 @@ unit: install
 
 bench-engine: install
 	$(BIN)/python -m bench.engine_bench --out bench/results/engine.json
+
+bench-kv: install
+	$(BIN)/python -m bench.kv_quality --out bench/results/kv-quality.json
 
 bench-validity: install
 	$(BIN)/python -m bench.validity --out bench/results/validity.json

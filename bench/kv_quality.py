@@ -94,8 +94,11 @@ class Reference:
 
 
 def load_corpus(limit: int | None) -> list[dict[str, Any]]:
+    """The corpus, or an evenly spaced `limit` of it (the file is ordered by kind and language)."""
     docs = [json.loads(line) for line in CORPUS.read_text(encoding="utf-8").splitlines()]
-    return docs[:limit] if limit else docs
+    if not limit or limit >= len(docs):
+        return docs
+    return [docs[i * len(docs) // limit] for i in range(limit)]
 
 
 def held(engine: Engine, seq_id: int) -> tuple[int, int]:
@@ -306,6 +309,7 @@ def main() -> None:
         for r in per_doc[name]:
             r.pop("kl"), r.pop("top1"), r.pop("output_ids")
         console.print(f"  {summary['tok_s']:.1f} tok/s, KV ratio {summary['kv_ratio_median']:.3f}")
+        write(args, summaries, per_doc)  # after every profile: a long run interrupted keeps what it measured
 
     table = Table("profile", "KV bytes/token vs bf16", "fit 2k-char docs", "KL mean", "top-1", "polarity =",
                   "doubt =", "expect =", "viewpoint sim", "label", "valid JSON", "tok/s", "p95 s",
@@ -321,13 +325,16 @@ def main() -> None:
                       f(s.get("agree_label_polarity"), ".3f"), f(s["valid_json"], ".3f"), f(s["tok_s"], ".1f"),
                       f(s["p95_s"], ".1f"))  # fmt: skip
     console.print(table)
+    console.print(f"wrote {args.out}")
+
+
+def write(args: Any, summaries: list[dict[str, Any]], per_doc: dict[str, Any]) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "machine": {"threads": torch.get_num_threads(), "platform": platform.platform(), "torch": torch.__version__},
         "config": vars(args) | {"model": str(args.model), "out": str(args.out)},
         "summaries": summaries, "documents": per_doc,
     }, indent=1, ensure_ascii=False, default=str))  # fmt: skip
-    console.print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ class EngineConfig:
     max_batch_size: int = 8
     batch_window_ms: float = 150.0  # how long the first waiting request may wait for others to join
     kv_compression: bool = False  # the compression profile below applies
-    kv_quant_bits: int = 4  # 8 or 4: quantise blocks that leave the recent window; 16: do not
+    kv_quant_bits: int = 8  # 8 or 4: quantise blocks that leave the recent window; 16: do not
     kv_residual_tokens: int = 32  # the most recent tokens of each sequence stay full precision
     kv_sink_tokens: int = 4  # so do the first ones (attention sinks), rounded up to whole blocks
     kv_keep_ratio: float = 1.0  # < 1: prune each prompt to this share of its tokens once read

@@ -11,7 +11,14 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_quant import QuantFormat, dequantize_keys, dequantize_values, quantize_keys, quantize_values
+from engine.kv_quant import (
+    QuantFormat,
+    dequantize_keys,
+    dequantize_values,
+    quantize_keys,
+    quantize_values,
+    unpack,
+)
 
 
 @dataclass(frozen=True)
@@ -38,7 +45,9 @@ class KVShape:
 
 class ColdStore:
     """Quantised blocks for every layer: key codes with a (scale, min) per block and channel,
-    value codes with a (scale, min) per token. Block `i` here is block `num_hot + i` of the pool."""
+    value codes with a (scale, min) per token. Block `i` here is block `num_hot + i` of the pool.
+    Head-major within a block (KVH, block_size, ...): a gather of blocks gives each (block, KV
+    head) its tokens contiguously, as the batched matmuls of decode attention want them."""
 
     def __init__(
         self, shape: KVShape, fmt: QuantFormat, num_blocks: int, block_size: int, device: torch.device
@@ -46,12 +55,12 @@ class ColdStore:
         self.fmt = fmt
         self.num_blocks = num_blocks
         layers, heads, dim = shape.num_layers, shape.num_kv_heads, shape.head_dim
-        codes = (layers, num_blocks, block_size, heads, fmt.code_dim(dim))
+        codes = (layers, num_blocks, heads, block_size, fmt.code_dim(dim))
         self.key_codes = torch.zeros(codes, dtype=torch.uint8, device=device)
         self.value_codes = torch.zeros(codes, dtype=torch.uint8, device=device)
         self.key_scale = torch.zeros(layers, num_blocks, heads, dim, dtype=shape.dtype, device=device)
         self.key_min = torch.zeros_like(self.key_scale)
-        per_token = (layers, num_blocks, block_size, heads)
+        per_token = (layers, num_blocks, heads, block_size)
         self.value_scale = torch.zeros(per_token, dtype=shape.dtype, device=device)
         self.value_min = torch.zeros_like(self.value_scale)
 
@@ -70,30 +79,52 @@ class ColdStore:
 
     def store(self, keys: torch.Tensor, values: torch.Tensor, blocks: torch.Tensor) -> None:
         """Quantises full-precision blocks (L, n, block_size, KVH, D) into cold `blocks` (n,)."""
-        codes, scale, low = quantize_keys(keys, self.fmt)
-        self.key_codes.index_copy_(1, blocks, codes)
+        codes, scale, low = quantize_keys(keys, self.fmt)  # codes (L, n, bs, KVH, C)
+        self.key_codes.index_copy_(1, blocks, codes.transpose(2, 3).contiguous())
         self.key_scale.index_copy_(1, blocks, scale)
         self.key_min.index_copy_(1, blocks, low)
-        codes, scale, low = quantize_values(values, self.fmt)
-        self.value_codes.index_copy_(1, blocks, codes)
-        self.value_scale.index_copy_(1, blocks, scale)
-        self.value_min.index_copy_(1, blocks, low)
+        codes, scale, low = quantize_values(values, self.fmt)  # scale and min (L, n, bs, KVH)
+        self.value_codes.index_copy_(1, blocks, codes.transpose(2, 3).contiguous())
+        self.value_scale.index_copy_(1, blocks, scale.transpose(2, 3).contiguous())
+        self.value_min.index_copy_(1, blocks, low.transpose(2, 3).contiguous())
 
     def read(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantised keys and values of cold `blocks` (n,): each (n, block_size, KVH, D)."""
         key = dequantize_keys(
-            self.key_codes[layer].index_select(0, blocks),
+            self.key_codes[layer].index_select(0, blocks).transpose(1, 2),
             self.key_scale[layer].index_select(0, blocks),
             self.key_min[layer].index_select(0, blocks),
             self.fmt,
         )
         value = dequantize_values(
-            self.value_codes[layer].index_select(0, blocks),
-            self.value_scale[layer].index_select(0, blocks),
-            self.value_min[layer].index_select(0, blocks),
+            self.value_codes[layer].index_select(0, blocks).transpose(1, 2),
+            self.value_scale[layer].index_select(0, blocks).transpose(1, 2),
+            self.value_min[layer].index_select(0, blocks).transpose(1, 2),
             self.fmt,
         )
         return key, value
+
+    def codes(self, layer: int, blocks: torch.Tensor) -> ColdBlocks:
+        """What decode attention needs of cold `blocks` (n,), without dequantising: the codes as
+        fp32 integers (n, KVH, bs, D) and the scales and minimums in fp32."""
+        return ColdBlocks(
+            unpack(self.key_codes[layer].index_select(0, blocks), self.fmt).float(),
+            self.key_scale[layer].index_select(0, blocks).float(),  # (n, KVH, D)
+            self.key_min[layer].index_select(0, blocks).float(),
+            unpack(self.value_codes[layer].index_select(0, blocks), self.fmt).float(),
+            self.value_scale[layer].index_select(0, blocks).float(),  # (n, KVH, bs)
+            self.value_min[layer].index_select(0, blocks).float(),
+        )
+
+
+@dataclass(frozen=True)
+class ColdBlocks:
+    key_codes: torch.Tensor
+    key_scale: torch.Tensor
+    key_min: torch.Tensor
+    value_codes: torch.Tensor
+    value_scale: torch.Tensor
+    value_min: torch.Tensor
 
 
 class KVCache:

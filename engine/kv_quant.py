@@ -48,7 +48,7 @@ def _pack(codes: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     return codes[..., :half] | (codes[..., half:] << 4)
 
 
-def _unpack(packed: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+def unpack(packed: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     if fmt.bits == 8:
         return packed
     return torch.cat((packed & 0x0F, packed >> 4), dim=-1)
@@ -80,7 +80,7 @@ def dequantize_keys(
 ) -> torch.Tensor:
     """codes (..., block_size, KVH, C), scale/min (..., KVH, D) -> keys (..., block_size, KVH, D)."""
     # Computed in fp32 and cast once: on CPU a bf16 multiply-add converts each operand anyway.
-    keys = torch.addcmul(low.unsqueeze(-3).float(), _unpack(codes, fmt).float(), scale.unsqueeze(-3).float())
+    keys = torch.addcmul(low.unsqueeze(-3).float(), unpack(codes, fmt).float(), scale.unsqueeze(-3).float())
     return keys.to(scale.dtype)
 
 
@@ -88,5 +88,5 @@ def dequantize_values(
     codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, fmt: QuantFormat
 ) -> torch.Tensor:
     """codes (..., KVH, C), scale/min (..., KVH) -> values (..., KVH, D)."""
-    values = _unpack(codes, fmt).float().mul_(scale.unsqueeze(-1).float()).add_(low.unsqueeze(-1).float())
+    values = unpack(codes, fmt).float().mul_(scale.unsqueeze(-1).float()).add_(low.unsqueeze(-1).float())
     return values.to(scale.dtype)

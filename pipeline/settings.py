@@ -55,7 +55,7 @@ class Settings(BaseSettings):
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     dynamic_batching: bool = False
     kv_compression: bool = False
-    kv_quant_bits: int = Field(default=4, ge=4, le=16, multiple_of=4, description="4, 8, or 16 (none).")
+    kv_quant_bits: int = Field(default=8, description="4, 8, or 16 (no quantisation).")
     kv_residual_tokens: int = Field(
         default=32, ge=0, le=4096, description="Recent tokens kept full precision."
     )
@@ -84,6 +84,13 @@ class Settings(BaseSettings):
     otel_exporter_otlp_endpoint: str | None = None
 
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    @field_validator("kv_quant_bits")
+    @classmethod
+    def _quant_bits(cls, value: int) -> int:
+        if value not in (4, 8, 16):
+            raise ValueError("must be 4, 8 or 16")
+        return value
 
     @field_validator("kafka_bootstrap_servers")
     @classmethod

@@ -147,7 +147,7 @@ async def test_status_reports_compression(tiny: LoadedModel) -> None:
         model_path=Path("unused"), dtype="float32", kv_cache_bytes=1 << 22, kv_compression=True
     )
     stats = Engine(config, tiny).stats()
-    assert stats.kv_quant_bits == 4
+    assert stats.kv_quant_bits == 8  # the default profile
     assert 0 < stats.kv_cold_bytes_per_token < stats.kv_bytes_per_token
 
 

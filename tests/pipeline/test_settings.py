@@ -29,6 +29,8 @@ def test_defaults_match_the_article(monkeypatch: pytest.MonkeyPatch) -> None:
         ("DYNAMIC_BATCHING", "maybe"),
         ("KAFKA_BOOTSTRAP_SERVERS", "no-port"),
         ("STATUS_PORT", "70000"),
+        ("KV_QUANT_BITS", "12"),
+        ("KV_KEEP_RATIO", "0"),
     ],
 )
 def test_invalid_values_name_the_variable(monkeypatch: pytest.MonkeyPatch, name: str, value: str) -> None:
