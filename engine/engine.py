@@ -25,9 +25,8 @@ import torch
 from engine.attention import register
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, SamplingParams
-from engine.kv_cache import ColdStore, KVCache, KVShape
+from engine.kv_cache import KVShape, build_cache
 from engine.kv_prune import heuristic_scores, select_kept, smooth
-from engine.kv_quant import QuantFormat
 from engine.loader import LoadedModel, load_model
 from engine.request import (
     EngineError,
@@ -82,37 +81,6 @@ class EngineStats:
     def batch_occupancy(self) -> float:
         """Mean sequences per step as a share of the most allowed."""
         return self.mean_batch_size / self.max_batch_size if self.max_batch_size else 0.0
-
-
-def pool_budget(config: EngineConfig, device: torch.device) -> int:
-    """The KV byte budget: KV_CACHE_BYTES, else a share of free memory."""
-    if config.kv_cache_bytes is not None:
-        return config.kv_cache_bytes
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-    else:
-        import psutil
-
-        free = psutil.virtual_memory().available
-    return int(free * config.kv_cache_memory_fraction)
-
-
-def build_cache(config: EngineConfig, shape: KVShape, device: torch.device) -> KVCache:
-    """The pool for the byte budget. Uncompressed: all full-precision blocks. Compressed: enough
-    full-precision blocks for every running sequence's sinks, recent window and one step's
-    prompt chunk, the rest of the budget as quantised blocks."""
-    budget, size = pool_budget(config, device), config.block_size
-    hot_bytes = shape.bytes_per_token * size
-    if not config.quantising:
-        return KVCache(shape, max(1, budget // hot_bytes), size, device)
-    fmt = QuantFormat(config.kv_quant_bits)
-    per_seq = -(-config.kv_sink_tokens // size) + -(-config.kv_residual_tokens // size) + 2
-    hot_needed = config.effective_batch_size * per_seq + -(-config.max_tokens_per_step // size)
-    if config.pruning:  # prompts stay full precision until they are scored: room for a few long ones
-        hot_needed += -(-4096 // size)
-    hot = min(max(1, budget // hot_bytes), hot_needed)
-    cold = max(0, budget - hot * hot_bytes) // ColdStore.bytes_per_block(shape, fmt, size)
-    return KVCache(shape, hot, size, device, ColdStore(shape, fmt, cold, size, device) if cold else None)
 
 
 class Engine:
@@ -253,9 +221,7 @@ class Engine:
     def stats(self) -> EngineStats:
         bytes_per_block = self.cache.bytes_per_block
         cold = self.cache.cold
-        cold_block = (
-            ColdStore.bytes_per_block(self.cache.shape, cold.fmt, self.cache.block_size) if cold else 0
-        )
+        cold_block = self.cache.bytes_per_cold_block
         return EngineStats(
             model_id=self.model_id,
             device=str(self.loaded.device),
@@ -278,7 +244,7 @@ class Engine:
             kv_tokens=sum(s.num_computed for s in self.scheduler.running),
             kv_quant_bits=cold.fmt.bits if cold else None,
             kv_cold_bytes_per_token=cold_block / self.cache.block_size,
-            prefix_caching=self.config.prefix_caching,
+            prefix_caching=self.blocks.prefix_caching,
             prefix_cached_blocks=self.blocks.num_cached,
             prefix_hit_tokens=self.blocks.num_cache_hits * self.blocks.block_size,
         )

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.config import EngineConfig
 from engine.kv_quant import (
     QuantFormat,
     dequantize_keys,
@@ -195,3 +196,34 @@ def slots_of(table: list[int], num_tokens: int, block_size: int, start: int = 0)
     slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()  # (nb * bs,)
     offset = start - start // block_size * block_size
     return slots[offset : offset + num_tokens - start]
+
+
+def pool_budget(config: EngineConfig, device: torch.device) -> int:
+    """The KV byte budget: KV_CACHE_BYTES, else a share of free memory."""
+    if config.kv_cache_bytes is not None:
+        return config.kv_cache_bytes
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    else:
+        import psutil
+
+        free = psutil.virtual_memory().available
+    return int(free * config.kv_cache_memory_fraction)
+
+
+def build_cache(config: EngineConfig, shape: KVShape, device: torch.device) -> KVCache:
+    """The pool for the byte budget. Uncompressed: all full-precision blocks. Compressed: enough
+    full-precision blocks for every running sequence's sinks, recent window and one step's
+    prompt chunk, the rest of the budget as quantised blocks."""
+    budget, size = pool_budget(config, device), config.block_size
+    hot_bytes = shape.bytes_per_token * size
+    if not config.quantising:
+        return KVCache(shape, max(1, budget // hot_bytes), size, device)
+    fmt = QuantFormat(config.kv_quant_bits)
+    per_seq = -(-config.kv_sink_tokens // size) + -(-config.kv_residual_tokens // size) + 2
+    hot_needed = config.effective_batch_size * per_seq + -(-config.max_tokens_per_step // size)
+    if config.pruning:  # prompts stay full precision until they are scored: room for a few long ones
+        hot_needed += -(-4096 // size)
+    hot = min(max(1, budget // hot_bytes), hot_needed)
+    cold = max(0, budget - hot * hot_bytes) // ColdStore.bytes_per_block(shape, fmt, size)
+    return KVCache(shape, hot, size, device, ColdStore(shape, fmt, cold, size, device) if cold else None)
