@@ -111,22 +111,8 @@ class BlockManager:
         """Releases the sequence's blocks beyond the first `num_tokens` tokens."""
         table = self._tables[seq_id]
         keep = self.blocks_for(num_tokens)
-        tail, table[keep:] = table[keep:], []
-        for block in reversed(tail):
-            self._refs[block] -= 1
-            if self._refs[block] == 0:
-                self._free_list(block)[block] = None
-
-    def replace(self, seq_id: int, num_tokens: int) -> tuple[list[int], list[int]] | None:
-        """Gives the sequence fresh full-precision blocks for `num_tokens` tokens and releases its
-        old ones; (old table, new table) for the caller to copy between, or None if no room."""
-        if self.blocks_for(num_tokens) > len(self._free):
-            return None
-        new = [self._take(self._free) for _ in range(self.blocks_for(num_tokens))]
-        old = self._tables.get(seq_id, [])
-        self.free(seq_id)
-        self._tables[seq_id] = new
-        return old, new
+        self._release(table[keep:])
+        del table[keep:]
 
     def settle(self, seq_id: int, index: int) -> tuple[int, int] | None:
         """Moves block `index` of the sequence to a cold block if it is hot, used by this sequence
@@ -193,14 +179,17 @@ class BlockManager:
         the pool: unregistered ones at the front (reused first), cached ones at the back."""
         table = self._tables.pop(seq_id, [])
         self._hashes.pop(seq_id, None)
-        for block in reversed(table):
+        self._release(table)
+        return len(table)
+
+    def _release(self, blocks: list[int]) -> None:
+        for block in reversed(blocks):  # the tail first: a prefix's deepest blocks are evicted first
             self._refs[block] -= 1
             if self._refs[block] == 0:
                 free = self._free_list(block)
                 free[block] = None
                 if block not in self._key_of:
                     free.move_to_end(block, last=False)
-        return len(table)
 
 
 def _block_key(parent: bytes, tokens: Sequence[int]) -> bytes:

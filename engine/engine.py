@@ -237,8 +237,7 @@ class Engine:
             num_preemptions=self.scheduler.num_preemptions,
             mean_batch_size=self._num_scheduled / self._num_steps if self._num_steps else 0.0,
             largest_batch=self._largest,
-            kv_total_bytes=self.blocks.num_blocks * bytes_per_block
-            + self.blocks.num_cold_blocks * cold_block,
+            kv_total_bytes=self.cache.total_bytes,
             kv_used_bytes=self.blocks.num_used * bytes_per_block + self.blocks.num_used_cold * cold_block,
             kv_bytes_per_token=self.cache.shape.bytes_per_token,
             kv_tokens=sum(s.num_computed for s in self.scheduler.running),

@@ -83,23 +83,18 @@ class Scheduler:
 
     def prune(self, seq: Sequence, kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Keeps only the cached tokens at indices `kept` (sorted), compacted to the front of its
-        blocks (or into fresh ones if some are shared) and the rest released;
-        (source, destination) slots for the runner to copy, or None if nothing moves."""
+        blocks, the rest released; (source, destination) slots for the runner to copy, or None if
+        nothing moves. A shared block must not be overwritten: such a sequence (none while pruning
+        turns prefix caching off) keeps everything."""
         seq.pruned = True
         total = seq.num_cached
-        if kept.numel() >= total:
+        if kept.numel() >= total or not self.blocks.is_private(seq.seq_id):
             return None
         size, count = self.blocks.block_size, int(kept.numel())
         table = self.blocks.table(seq.seq_id)
         source = slots_of(table, total, size)[kept]
-        if self.blocks.is_private(seq.seq_id):  # compact in place: kept index i moves to i (<= its own)
-            destination = slots_of(table, count, size)
-            self.blocks.truncate(seq.seq_id, count)
-        else:  # shared blocks must not be overwritten: compact into fresh ones
-            tables = self.blocks.replace(seq.seq_id, count)
-            if tables is None:
-                return None  # no room to compact into: keep everything
-            destination = slots_of(tables[1], count, size)
+        destination = slots_of(table, count, size)  # compact in place: kept index i moves to i (<= its own)
+        self.blocks.truncate(seq.seq_id, count)
         seq.num_dropped += total - count
         seq.num_settled_blocks = 0
         return source, destination
