@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: install demo test lint typecheck unit schemas bench-engine bench-validity bench-kv clean
+.PHONY: install demo test lint typecheck unit schemas bench-engine bench-validity bench-kv bench-pipeline clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	# never uses it, so on CPU machines install xgrammar and its two real dependencies without it.
 	# The CUDA image installs the `grammar` extra normally (triton comes with CUDA torch anyway).
 	$(BIN)/pip install --quiet --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
+	# Docker Compose v2 for the offline `docker compose config` check of deploy/ (checksummed binary).
+	$(BIN)/python .ci/fetch-compose $(BIN)/docker-compose
 	rm -f $(VENV)/.installed-*
 	touch $@
 
@@ -40,6 +42,9 @@ bench-engine: install
 
 bench-kv: install
 	$(BIN)/python -m bench.kv_quality --out bench/results/kv-quality.json
+
+bench-pipeline: install
+	$(BIN)/python -m bench.pipeline_bench --out bench/results/pipeline.json
 
 bench-validity: install
 	$(BIN)/python -m bench.validity --out bench/results/validity.json

@@ -223,14 +223,18 @@ def engine_run(
 
 
 def ttft_isolation(
-    loaded: LoadedModel, prompts: list[list[int]], max_batch: int, budget: int, prefix_caching: bool
+    loaded: LoadedModel, max_batch: int, budget: int, prefix_caching: bool, reps: int = 10
 ) -> dict[str, Any]:
     """A short request's TTFT alone, then arriving while long prompts are being prefilled.
 
     One unmeasured solo run first, so that with prefix caching both measurements see the same
-    warm cache (the short request's instruction prefix already computed)."""
-    short = min(prompts, key=len)
-    longs = sorted(prompts, key=len)[-4:]
+    warm cache (the short request's instruction prefix already computed). Every repetition's
+    long prompts are documents not seen before (a cached prompt would not be prefilling), and
+    the short request arrives at a random point of the long prefills (seeded), so the p95
+    covers arrivals at any phase of a step."""
+    prompts = sorted(load_prompts(loaded, 60), key=len)
+    short, longs = prompts[0], prompts[-4 * reps :]
+    rng = random.Random(3)
 
     async def go() -> dict[str, Any]:
         config = EngineConfig(
@@ -239,17 +243,22 @@ def ttft_isolation(
         )  # fmt: skip
         async with Engine(config, loaded) as engine:
             await engine.generate(short, SamplingParams(max_new_tokens=4))
-            solo = [(await engine.generate(short, SamplingParams(max_new_tokens=4))).ttft_s for _ in range(5)]
-            busy = []
-            for _ in range(5):
+            solo = [
+                (await engine.generate(short, SamplingParams(max_new_tokens=4))).ttft_s for _ in range(reps)
+            ]
+            busy, offsets = [], []
+            for rep in range(reps):
+                group = longs[rep::reps]  # 4 of the 40 longest documents, each used once
                 background = [
-                    engine.submit(p, SamplingParams(max_new_tokens=8, ignore_eos=True)) for p in longs
+                    engine.submit(p, SamplingParams(max_new_tokens=8, ignore_eos=True)) for p in group
                 ]
-                await asyncio.sleep(0.3)  # the long prompts are now mid-prefill
+                offsets.append(rng.uniform(0.3, 1.5))  # the long prompts are mid-prefill
+                await asyncio.sleep(offsets[-1])
                 busy.append((await engine.generate(short, SamplingParams(max_new_tokens=4))).ttft_s)
                 await asyncio.gather(*(h.result() for h in background))
         return {
-            "prefix_caching": prefix_caching, "short_prompt_tokens": len(short), "long_prompt_tokens": [len(p) for p in longs],
+            "prefix_caching": prefix_caching, "step_tokens": budget, "short_prompt_tokens": len(short),
+            "long_prompt_tokens": [len(p) for p in longs], "arrival_offsets_s": offsets,
             "solo_ttft_s": solo, "busy_ttft_s": busy,
             "solo_p95_s": _pct(solo, 95), "busy_p95_s": _pct(busy, 95), "ratio": _pct(busy, 95) / _pct(solo, 95),
         }  # fmt: skip
@@ -263,7 +272,7 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--max-batch", type=int, default=32)
-    parser.add_argument("--step-tokens", type=int, default=512)
+    parser.add_argument("--step-tokens", type=int, default=EngineConfig.max_tokens_per_step)
     parser.add_argument("--rate", type=float, default=0.5, help="stream arrivals per second")
     parser.add_argument(
         "--variants",
@@ -307,7 +316,7 @@ def main() -> None:
         runs.append(run)
         console.print(f"  {run.row()['tok_s']:.1f} tok/s in {run.wall_s:.1f} s")
     isolation = (
-        [ttft_isolation(loaded, prompts, args.max_batch, args.step_tokens, p) for p in (True, False)]
+        [ttft_isolation(loaded, args.max_batch, args.step_tokens, p) for p in (True, False)]
         if "engine_dynamic" in variants
         else []
     )

@@ -138,26 +138,36 @@ class BlockManager:
         Returns the number of tokens whose keys and values are thereby already computed. At least
         one token is always left to compute: its logits give the sequence's next token.
         """
-        if not self.prefix_caching or self.table(seq_id):
+        if self.table(seq_id):
             return 0
-        table: list[int] = []
-        keys: list[bytes] = []
+        found = self._known_prefix(token_ids)
+        if not found:
+            return 0
+        for _, block in found:
+            if self._refs[block] == 0:
+                del self._free_list(block)[block]
+            self._refs[block] += 1
+        self._tables[seq_id] = [block for _, block in found]
+        self._hashes[seq_id] = [key for key, _ in found]
+        self.num_cache_hits += len(found)
+        return len(found) * self.block_size
+
+    def cached_prefix(self, token_ids: Sequence[int]) -> int:
+        """How many tokens `adopt_prefix` would find computed now (it changes nothing)."""
+        return len(self._known_prefix(token_ids)) * self.block_size
+
+    def _known_prefix(self, token_ids: Sequence[int]) -> list[tuple[bytes, int]]:
+        if not self.prefix_caching:
+            return []
+        found: list[tuple[bytes, int]] = []
         key = b""
         for i in range((len(token_ids) - 1) // self.block_size):
             key = _block_key(key, token_ids[i * self.block_size : (i + 1) * self.block_size])
             block = self._cached.get(key)
             if block is None:
                 break
-            if self._refs[block] == 0:
-                del self._free_list(block)[block]
-            self._refs[block] += 1
-            table.append(block)
-            keys.append(key)
-        if table:
-            self._tables[seq_id] = table
-            self._hashes[seq_id] = keys
-            self.num_cache_hits += len(table)
-        return len(table) * self.block_size
+            found.append((key, block))
+        return found
 
     def register(self, seq_id: int, token_ids: Sequence[int], num_computed: int) -> None:
         """Registers the sequence's blocks that are now full of computed tokens as known prefixes."""

@@ -29,7 +29,7 @@ class EngineConfig:
     kv_cache_bytes: int | None = None  # KV pool budget; None: kv_cache_memory_fraction of free memory
     kv_cache_memory_fraction: float = 0.2
     block_size: int = 16  # tokens per KV block
-    max_tokens_per_step: int = 256  # prefill chunks + decodes in one forward (CPU; larger on GPU)
+    max_tokens_per_step: int = 192  # prefill chunks + decodes in one forward (CPU; larger on GPU)
     prefix_caching: bool = True  # reuse the KV blocks of a prompt prefix already computed
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's default
 

@@ -103,6 +103,7 @@ class Engine:
                 residual_tokens=config.kv_residual_tokens,
                 sink_blocks=-(-config.kv_sink_tokens // config.block_size),
                 prune_window=config.kv_observe_tokens if config.pruning else 0,
+                together_s=config.batch_window_ms / 1000 if config.dynamic_batching else 0.0,
             ),
             self.blocks,
         )

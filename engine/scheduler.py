@@ -4,7 +4,13 @@ Policy, in order, within a per-step token budget:
 1. decode-first: every running sequence that has finished its prompt gets its next token;
 2. chunked prefill: sequences still reading their prompt get the budget that is left;
    waiting sequences join them when the engine opens admission, up to `max_running`. Prefill is
-   ordered by remaining prompt length (shortest first), then age; preempted sequences go first.
+   ordered by prompt tokens left to compute (shortest first; a cached prefix does not count),
+   then age; preempted sequences go first.
+   A request that arrives after others (later than the batching window) gets its first token in
+   a step without their prompt chunks (the step that reads the rest of its prompt): it waits for
+   the step in flight and a short step, not for another full step of someone else's prompt.
+   Requests that arrived together (a burst) are batched as usual. A prompt gives way at most
+   every other step, so a stream of short newcomers cannot starve it.
 When the block pool cannot hold a decode, the youngest running sequence is preempted: its blocks
 are freed and it goes back to the front of the queue to be recomputed later (its generated tokens
 are kept, so its output does not change; a pruned sequence is recomputed in full and pruned
@@ -32,6 +38,7 @@ class SchedulerConfig:
     residual_tokens: int = 32  # with quantised blocks: the most recent tokens stay full precision
     sink_blocks: int = 1  # and so do the first blocks (attention sinks)
     prune_window: int = 0  # with KV pruning: the observation window every final prompt chunk holds
+    together_s: float = 0.0  # requests arriving within this of each other form one batch (the window)
 
     def __post_init__(self) -> None:
         if self.max_running < 1 or self.max_tokens_per_step < self.max_running:
@@ -57,6 +64,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is the youngest
         self.num_preemptions = 0
+        self._num_plans = 0
 
     @property
     def has_work(self) -> bool:
@@ -127,7 +135,11 @@ class Scheduler:
         candidates = [s for s in self.running if id(s) not in planned and not s.is_decoding]
         if admit:
             candidates += list(self.waiting)
-        candidates.sort(key=lambda s: (s.num_preemptions == 0, s.num_pending, s.request.arrived_at))
+        self._num_plans += 1
+        candidates.sort(key=lambda s: (s.num_preemptions == 0, self._to_compute(s), s.request.arrived_at))
+        # A request that arrived after other prompts gets its first token in a short step: their
+        # chunks wait (requests that arrived together, within the window, are batched as usual).
+        newcomer: float | None = None  # the latest arrival among the chunks that finish a prompt
         for seq in candidates:
             if budget <= 0:
                 break
@@ -153,9 +165,24 @@ class Scheduler:
                 n = seq.num_pending - self.config.prune_window  # the final chunk must hold the window
                 if n <= 0:
                     continue
+            if (
+                newcomer is not None
+                and seq.request.arrived_at < newcomer - self.config.together_s
+                and seq.deferred_at != self._num_plans - 1
+            ):
+                seq.deferred_at = self._num_plans  # its chunk waits one step, never two in a row
+                continue
+            if n == seq.num_pending:
+                newcomer = max(newcomer or 0.0, seq.request.arrived_at)
             plan.append(self._take(seq, n))
             budget -= n
         return plan
+
+    def _to_compute(self, seq: Sequence) -> int:
+        """Prompt tokens left to run; a waiting sequence's cached prefix does not count."""
+        if seq.status is Status.WAITING:
+            return seq.num_pending - self.blocks.cached_prefix(seq.token_ids)
+        return seq.num_pending
 
     def settle(self) -> list[tuple[int, int]]:
         """Moves full blocks that left the recent-token window (and are not sinks, not shared) to

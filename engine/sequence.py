@@ -29,6 +29,7 @@ class Sequence:
     num_settled_blocks: int = 0  # leading blocks already considered for quantised storage
     num_dropped: int = 0  # tokens pruned from the cache: position p sits at cache index p - this
     pruned: bool = False  # the pruning decision for this residency in the cache has been made
+    deferred_at: int = -1  # the scheduler plan in which its prompt chunk last gave way to a newcomer
     matcher: Any = None  # xgrammar GrammarMatcher, created on the runner thread on first use
     generator: torch.Generator | None = field(default=None, repr=False)
     final_text: str | None = None  # set when a stop string ended the sequence: the text before it

@@ -42,6 +42,7 @@ class AnalysisOutcome:
     output_tokens: int
     queued_s: float  # consume -> first forward of the first attempt
     ttft_s: float  # consume -> first token of the first attempt
+    batch_size: int  # the largest engine step its sequences ran in
 
 
 class AnalysisFailed(Exception):
@@ -72,7 +73,7 @@ class Analyzer:
 
     async def analyze(self, document: Document, consumed_at: float) -> AnalysisOutcome:
         prompt = render(document.kind, document.language, document.text)
-        prompt_tokens = output_tokens = 0
+        prompt_tokens = output_tokens = batch_size = 0
         first: tuple[float, float] | None = None
         raw: str | None = None
         with self.tracer.start_as_current_span("analyze") as span:
@@ -93,6 +94,7 @@ class Analyzer:
                 )
                 prompt_tokens += result.prompt_tokens
                 output_tokens += result.output_tokens
+                batch_size = max(batch_size, result.batch_size)
                 if first is None:
                     lag = submitted - consumed_at
                     first = (lag + result.queued_s, lag + result.ttft_s)
@@ -115,7 +117,7 @@ class Analyzer:
                         "deepanalyze.attempts": attempt,
                     }
                 )
-                return AnalysisOutcome(analysis, attempt, prompt_tokens, output_tokens, *first)
+                return AnalysisOutcome(analysis, attempt, prompt_tokens, output_tokens, *first, batch_size)
         raise AssertionError("unreachable: attempts >= 1")  # pragma: no cover
 
     async def _generate(
@@ -129,8 +131,10 @@ class Analyzer:
             result = await self.engine.generate(ids, params)
         except EngineError as exc:
             raise AnalysisFailed(DeadLetterReason.GENERATION_FAILED, str(exc), None, attempt) from exc
-        # The engine measures on its own clock; lay its phases out as spans after the fact.
+        # The engine measures on its own clock; lay its phases out as spans after the fact:
+        # queue_wait, then `chat <model>` split into prefill (to the first token) and decode.
         scheduled_ns = submitted_ns + int(result.queued_s * 1e9)
+        first_ns = submitted_ns + int(result.ttft_s * 1e9)
         finished_ns = submitted_ns + int(result.total_s * 1e9)
         self.tracer.start_span(
             "queue_wait", start_time=submitted_ns, attributes={"deepanalyze.attempt": attempt}
@@ -146,9 +150,18 @@ class Analyzer:
                 "gen_ai.usage.output_tokens": result.output_tokens,
                 "gen_ai.response.finish_reasons": [result.finish_reason],
                 "gen_ai.server.time_to_first_token": result.ttft_s,
-                "deepanalyze.batch_size": result.batch_size,
+                "deepanalyze.engine.batch_size": result.batch_size,
                 "deepanalyze.attempt": attempt,
             },
         )
+        inside = trace.set_span_in_context(generate)
+        phases = (
+            ("prefill", scheduled_ns, first_ns, {"gen_ai.usage.input_tokens": result.prompt_tokens}),
+            ("decode", first_ns, finished_ns, {"gen_ai.usage.output_tokens": result.output_tokens}),
+        )
+        for name, start, end, usage in phases:
+            attributes: dict[str, str | int] = {**usage, "gen_ai.request.model": self.engine.model_id}
+            span = self.tracer.start_span(name, context=inside, start_time=start, attributes=attributes)
+            span.end(end_time=end)
         generate.end(end_time=finished_ns)
         return result, submitted

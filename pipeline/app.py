@@ -82,7 +82,10 @@ async def serve(
     engine = await asyncio.to_thread(Engine.from_config, config)
     async with engine:
         service = Service(settings, engine, telemetry)
-        async with serve_status(service.status, settings.status_host, settings.status_port) as port:
+        status = serve_status(
+            service.status, settings.status_host, settings.status_port, service.metrics.render
+        )
+        async with status as port:
             log.info("status on http://%s:%d/api/status", settings.status_host, port)
             if on_ready is not None:
                 on_ready(service, port)

@@ -51,6 +51,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 class EmbeddedBroker:
     host: str = "127.0.0.1"
     port: int = 9092
+    advertised_port: int | None = None  # what clients are told to connect to (a proxy's port)
     process: subprocess.Popen[bytes] | None = None
     _log: IO[bytes] | None = field(default=None, repr=False)
 
@@ -60,11 +61,12 @@ class EmbeddedBroker:
 
     def start(self, timeout_s: float = 15.0) -> None:
         url = f"tcp://{self.host}:{self.port}"
+        advertised = f"tcp://{self.host}:{self.advertised_port or self.port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}  # it would export too
         # A file, not a pipe: a full pipe would stall the broker. Closed in stop().
         self._log = tempfile.TemporaryFile()  # noqa: SIM115
         self.process = subprocess.Popen(  # noqa: S603 - a fixed binary with our own arguments
-            [str(tansu_binary()), "broker", "--listener-url", url, "--advertised-listener-url", url],
+            [str(tansu_binary()), "broker", "--listener-url", url, "--advertised-listener-url", advertised],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=env,
@@ -112,8 +114,10 @@ class EmbeddedBroker:
 
 
 @contextlib.contextmanager
-def embedded_broker(port: int | None = None, host: str = "127.0.0.1") -> Iterator[EmbeddedBroker]:
-    broker = EmbeddedBroker(host=host, port=port if port is not None else free_port(host))
+def embedded_broker(
+    port: int | None = None, host: str = "127.0.0.1", advertised_port: int | None = None
+) -> Iterator[EmbeddedBroker]:
+    broker = EmbeddedBroker(host, port if port is not None else free_port(host), advertised_port)
     broker.start()
     try:
         yield broker

@@ -79,8 +79,11 @@ def _parser() -> argparse.ArgumentParser:
         prog="deepanalyze", description="A private text analyst on a message bus."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser(
+    run = sub.add_parser(
         "run", help="run a worker: consume documents, publish analyses (configured by the environment)"
+    )
+    run.add_argument(
+        "--workers", type=int, default=1, help="worker processes in the consumer group (each its own engine)"
     )
     broker = sub.add_parser("broker", help="run the embedded Kafka-protocol broker (in memory) on 127.0.0.1")
     broker.add_argument("--port", type=int, default=9092)
@@ -109,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if args.command == "run" and args.workers > 1:
+            from pipeline.workers import supervise
+
+            return asyncio.run(supervise(args.workers))
         if args.command == "run":
             asyncio.run(_run(settings))
         elif args.command == "broker":

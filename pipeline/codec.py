@@ -9,6 +9,7 @@ is taken as JSON, anything else as plain text.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -142,13 +143,21 @@ def dead_letter(
     document_id: str | None = None,
     raw_model_output: str | None = None,
     trace_id: str | None = None,
+    max_value_bytes: int = 512 * 1024,
 ) -> DeadLetter:
+    """The dead letter for a record. Its value travels whole up to `max_value_bytes` (base64 adds
+    a third: a dead letter must fit a topic's default 1 MB message limit); beyond that only its
+    first bytes, its length and SHA-256, and the coordinates where the original still lies."""
+    kept = value if value is None or len(value) <= max_value_bytes else value[:max_value_bytes]
     return DeadLetter(
         event_id=event_id_for(topic, partition, offset),
         document_id=document_id,
         source=SourceCoordinates(topic=topic, partition=partition, offset=offset),
         key_b64=_b64(key),
-        value_b64=_b64(value),
+        value_b64=_b64(kept),
+        value_bytes=None if value is None else len(value),
+        value_sha256=None if value is None else hashlib.sha256(value).hexdigest(),
+        value_truncated=kept is not value,
         headers=[
             Header(key=k, value_b64=_b64(bytes(v) if v is not None else None)) for k, v in headers or ()
         ],

@@ -1,4 +1,4 @@
-"""The status server: `GET /api/status` (JSON) and `GET /healthz`.
+"""The status server: `GET /api/status` (JSON), `GET /healthz` and `GET /metrics` (Prometheus).
 
 Binds to 127.0.0.1 unless configured. Runs inside the service's event loop; leaves signal
 handling to the service.
@@ -13,13 +13,22 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+
+from pipeline.metrics import CONTENT_TYPE
 
 StatusSource = Callable[[], dict[str, Any]]
+MetricsSource = Callable[[], bytes]
 
 
-def create_app(status: StatusSource) -> FastAPI:
+def create_app(status: StatusSource, metrics: MetricsSource | None = None) -> FastAPI:
     app = FastAPI(title="DeepAnalyze", version="0.1.0")
+
+    if metrics is not None:
+
+        @app.get("/metrics")
+        async def prometheus() -> Response:
+            return Response(metrics(), media_type=CONTENT_TYPE)
 
     @app.get("/api/status")
     async def api_status() -> dict[str, Any]:
@@ -41,9 +50,12 @@ class _Server(uvicorn.Server):
 
 
 @contextlib.asynccontextmanager
-async def serve_status(status: StatusSource, host: str, port: int) -> AsyncIterator[int]:
+async def serve_status(
+    status: StatusSource, host: str, port: int, metrics: MetricsSource | None = None
+) -> AsyncIterator[int]:
     """Serves the status app for the body of the block; yields the bound port (port 0: any free)."""
-    config = uvicorn.Config(create_app(status), host=host, port=port, log_level="warning", lifespan="off")
+    app = create_app(status, metrics)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
     server = _Server(config)
     task = asyncio.create_task(server.serve())
     while not server.started:

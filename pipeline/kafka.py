@@ -57,6 +57,7 @@ def make_consumer(settings: Settings, *topics: str, group_id: str | None = None)
         session_timeout_ms=settings.session_timeout_ms,
         heartbeat_interval_ms=max(100, settings.session_timeout_ms // 3),
         max_poll_records=settings.max_poll_records,
+        fetch_max_wait_ms=settings.fetch_max_wait_ms,
     )
 
 

@@ -59,6 +59,10 @@ class OffsetTracker:
     def committed(self, offsets: dict[TopicPartition, int]) -> None:
         self._committed.update(offsets)
 
+    def committed_offset(self, tp: TopicPartition) -> int | None:
+        """The last offset this tracker saw committed for the partition (None: none yet)."""
+        return self._committed.get(tp)
+
     def forget(self, partitions: set[TopicPartition]) -> None:
         """Drops revoked partitions: their in-flight answers publish but are not committed here."""
         for tp in partitions:

@@ -4,6 +4,11 @@ Each consumed record ends as exactly one analysis event or one dead letter, publ
 acks=all; only then is it marked done in the `OffsetTracker`, and only contiguous done offsets
 are committed. Bad input never stops the loop; a publish that keeps failing does (the record
 stays uncommitted and is re-delivered after restart).
+
+Backpressure: at most `MAX_INFLIGHT` documents are between consume and answer; while that many
+are, fetching from every assigned partition is paused (nothing piles up in the client either).
+Shutdown: stop fetching, give in-flight documents `SHUTDOWN_GRACE_S` to finish, abandon the rest
+(uncommitted, so re-delivered to whoever owns the partition next), commit, return.
 """
 
 from __future__ import annotations
@@ -16,27 +21,23 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
 from aiokafka.errors import CommitFailedError, KafkaError
 from aiokafka.structs import ConsumerRecord, TopicPartition
 from opentelemetry import trace
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from pipeline.analyzer import AnalysisEngine, AnalysisFailed, Analyzer
 from pipeline.codec import Document, RecordError, dead_letter, decode_document
 from pipeline.kafka import ensure_topics, make_consumer, make_producer, wait_for_broker
+from pipeline.metrics import Metrics, Snapshot
 from pipeline.offsets import OffsetTracker
+from pipeline.publish import Publisher, PublishError
 from pipeline.settings import Settings
+from pipeline.status import status_report
 from pipeline.telemetry import Telemetry, current_trace_id, extract_context
 from schemas import AnalysisEvent, DeadLetter, DeadLetterReason, EngineSettings, Timings
 
 log = logging.getLogger(__name__)
-
-JSON_HEADERS = [("content-type", b"application/json")]
-
-
-class PublishError(RuntimeError):
-    """An answer could not be delivered after retries; the service stops without committing it."""
 
 
 @dataclass
@@ -54,9 +55,17 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
     async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
         await self.service.commit()
         self.service.tracker.forget(set(revoked))
+        for tp in revoked:
+            self.service.start_offsets.pop(tp, None)
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         log.info("assigned %s", sorted(f"{tp.topic}[{tp.partition}]" for tp in assigned))
+        consumer = self.service.consumer
+        for tp in assigned:  # where the group stood: the lag gauge's baseline until we commit
+            try:
+                self.service.start_offsets[tp] = await consumer.committed(tp) or 0
+            except KafkaError as exc:
+                log.warning("committed offset of %s unknown: %s", tp, exc)
 
 
 class Service:
@@ -69,13 +78,48 @@ class Service:
             engine, self.tracer, max_new_tokens=settings.max_new_tokens, attempts=settings.generation_attempts
         )
         self.tracker = OffsetTracker()
+        self.start_offsets: dict[TopicPartition, int] = {}
         self.counters = Counters()
+        self.metrics = Metrics(settings.otel_service_name, self.snapshot)
         self.started_at = time.time()
         self.is_ready = False
         self._consumer: AIOKafkaConsumer | None = None
-        self._producer: AIOKafkaProducer | None = None
+        self._publisher: Publisher | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._fatal: BaseException | None = None
+        self._paused = False
+        self._committing: asyncio.Task[None] | None = None
+
+    @property
+    def consumer(self) -> AIOKafkaConsumer:
+        if self._consumer is None:
+            raise RuntimeError("the service is not running")
+        return self._consumer
+
+    def lag(self) -> dict[TopicPartition, int]:
+        """Per assigned partition: the last fetched highwater minus the committed offset."""
+        if self._consumer is None:
+            return {}
+        lags = {}
+        for tp in self._consumer.assignment():
+            highwater = self._consumer.highwater(tp)
+            committed = self.tracker.committed_offset(tp)
+            if committed is None:
+                committed = self.start_offsets.get(tp, 0)
+            if highwater is not None:
+                lags[tp] = max(0, highwater - committed)
+        return lags
+
+    def snapshot(self) -> Snapshot:
+        stats = self.engine.stats()
+        return Snapshot(
+            queue_depth=stats.num_waiting,
+            running=stats.num_running,
+            in_flight=self.in_flight,
+            kv_used_bytes=stats.kv_used_bytes,
+            kv_total_bytes=stats.kv_total_bytes,
+            lag={(tp.topic, tp.partition): lag for tp, lag in self.lag().items()},
+        )
 
     @property
     def engine_settings(self) -> EngineSettings:
@@ -85,65 +129,27 @@ class Service:
             max_batch_size=self.settings.max_batch_size,
         )
 
+    @property
+    def in_flight(self) -> int:
+        """Documents consumed and not yet answered."""
+        return len(self._tasks)
+
+    @property
+    def paused(self) -> bool:
+        """Whether fetching is paused because `MAX_INFLIGHT` documents are in flight."""
+        return self._paused
+
     def status(self) -> dict[str, Any]:
-        stats = self.engine.stats()
-        return {
-            "status": "ready" if self.is_ready else "starting",
-            "dynamic_batching": self.settings.dynamic_batching,
-            "kv_compression": stats.kv_compression,
-            "kv_profile": {
-                "quant_bits": stats.kv_quant_bits,
-                "residual_tokens": self.settings.kv_residual_tokens,
-                "sink_tokens": self.settings.kv_sink_tokens,
-                "keep_ratio": self.settings.kv_keep_ratio,
-                "prune_policy": self.settings.kv_prune_policy,
-            }
-            if stats.kv_compression
-            else None,
-            "max_batch_size": self.settings.max_batch_size,
-            "dynamic_batch_window_ms": self.settings.dynamic_batch_window_ms,
-            "model": stats.model_id,
-            "device": stats.device,
-            "dtype": stats.dtype,
-            "consumed": self.counters.consumed,
-            "processed": self.counters.processed,
-            "failed": self.counters.failed,
-            "dead_lettered": self.counters.dead_lettered,
-            "in_flight": len(self._tasks),
-            "engine": {
-                "waiting": stats.num_waiting,
-                "running": stats.num_running,
-                "steps": stats.num_steps,
-                "mean_batch_size": round(stats.mean_batch_size, 3),
-                "largest_batch": stats.largest_batch,
-                "batch_occupancy": round(stats.batch_occupancy, 3),
-                "generated_tokens": stats.num_generated_tokens,
-                "preemptions": stats.num_preemptions,
-            },
-            "kv_pool": {
-                "total_bytes": stats.kv_total_bytes,
-                "used_bytes": stats.kv_used_bytes,
-                "free_bytes": stats.kv_total_bytes - stats.kv_used_bytes,
-                "bytes_per_token": stats.kv_bytes_per_token,
-                "quantised_bytes_per_token": stats.kv_cold_bytes_per_token,
-                "held_tokens": stats.kv_tokens,
-                "live_ratio": round(stats.kv_ratio, 4),
-                "prefix_caching": stats.prefix_caching,
-                "prefix_cached_blocks": stats.prefix_cached_blocks,
-                "prefix_hit_tokens": stats.prefix_hit_tokens,
-            },
-            "input_topics": list(self.settings.input_topics),
-            "consumer_group": self.settings.consumer_group,
-            "uptime_s": round(time.time() - self.started_at, 1),
-        }
+        return status_report(self)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Consumes until `stop` is set, then drains in-flight work, commits and closes."""
         await wait_for_broker(self.settings)
         await ensure_topics(self.settings)
-        self._producer = make_producer(self.settings)
+        producer = make_producer(self.settings)
         self._consumer = make_consumer(self.settings)
-        await self._producer.start()
+        await producer.start()
+        self._publisher = Publisher(producer, self.settings, self.tracer)
         try:
             self._consumer.subscribe(list(self.settings.input_topics), listener=_Rebalance(self))
             await self._consumer.start()
@@ -156,7 +162,7 @@ class Service:
                 await self.commit()
                 await self._consumer.stop()
         finally:
-            await self._producer.stop()
+            await producer.stop()
         if self._fatal is not None:
             raise self._fatal
 
@@ -166,28 +172,53 @@ class Service:
         last_commit = time.monotonic()
         while not stop.is_set() and self._fatal is None:
             room = self.settings.max_inflight - len(self._tasks)
+            self._pause(room <= 0)
             if room <= 0:
                 await asyncio.wait(self._tasks, timeout=0.2, return_when=asyncio.FIRST_COMPLETED)
             else:
                 batch = await self._consumer.getmany(timeout_ms=200, max_records=room)
+                fetched = sum(map(len, batch.values()))
                 for tp, records in batch.items():
                     for record in records:
-                        self._spawn(tp, record)
+                        self._spawn(tp, record, fetched)
             if time.monotonic() - last_commit >= self.settings.commit_interval_ms / 1000:
-                await self.commit()
+                # In the background: a commit's round trip must not hold up fetching.
+                if self._committing is None or self._committing.done():
+                    self._committing = asyncio.create_task(self.commit())
                 last_commit = time.monotonic()
+        if self._committing is not None:
+            await self._committing
 
-    def _spawn(self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes]) -> None:
+    def _pause(self, full: bool) -> None:
+        """Pauses fetching from every assigned partition while in-flight work is at its bound."""
+        if self._consumer is None:
+            return
+        if full:  # every time: a rebalance may have assigned partitions since
+            self._consumer.pause(*self._consumer.assignment())
+        elif self._paused:
+            self._consumer.resume(*self._consumer.paused())
+        self._paused = full
+
+    def _spawn(self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes], fetched: int) -> None:
         self.counters.consumed += 1
         self.tracker.register(tp, record.offset)
-        task = asyncio.create_task(self._handle(tp, record, time.perf_counter()))
+        task = asyncio.create_task(self._handle(tp, record, time.perf_counter(), fetched))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     async def _drain(self) -> None:
-        if self._tasks:
-            log.info("waiting for %d in-flight documents", len(self._tasks))
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if not self._tasks:
+            return
+        grace = self.settings.shutdown_grace_s
+        log.info("waiting up to %.0f s for %d in-flight documents", grace, len(self._tasks))
+        _, pending = await asyncio.wait(self._tasks, timeout=grace)
+        if pending:
+            log.warning(
+                "abandoning %d unfinished documents (not committed: they are re-delivered)", len(pending)
+            )
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
 
     async def commit(self) -> None:
         offsets = self.tracker.to_commit()
@@ -204,7 +235,7 @@ class Service:
     # -- one record ---------------------------------------------------------------------------
 
     async def _handle(
-        self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes], consumed_at: float
+        self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes], consumed_at: float, fetched: int
     ) -> None:
         attributes = {
             "messaging.system": "kafka",
@@ -214,6 +245,8 @@ class Service:
             "messaging.destination.partition.id": str(record.partition),
             "messaging.consumer.group.name": self.settings.consumer_group,
             "messaging.kafka.offset": record.offset,
+            "messaging.batch.message_count": fetched,  # records in the poll that brought it
+            "messaging.message.body.size": len(record.value or b""),
         }
         with self.tracer.start_as_current_span(
             f"process {record.topic}",
@@ -231,6 +264,10 @@ class Service:
                 return
             if isinstance(answer, DeadLetter):
                 span.set_attribute("deepanalyze.dead_letter.reason", answer.error_type.value)
+                self.metrics.dead_letters.add(1, {"reason": answer.error_type.value})
+        outcome = "analysis" if isinstance(answer, AnalysisEvent) else "dead_letter"
+        self.metrics.documents.add(1, {"outcome": outcome})
+        self.metrics.duration.record(time.perf_counter() - consumed_at, {"outcome": outcome})
         self.tracker.mark_done(tp, record.offset)
 
     async def _answer(
@@ -254,7 +291,13 @@ class Service:
             log.info(
                 "dead letter %s[%d]@%d: %s", record.topic, record.partition, record.offset, exc.reason.value
             )
-            return dead_letter(**coords, reason=exc.reason, message=str(exc), trace_id=current_trace_id())
+            return dead_letter(
+                **coords,
+                reason=exc.reason,
+                message=str(exc),
+                trace_id=current_trace_id(),
+                max_value_bytes=self.settings.dead_letter_max_value_bytes,
+            )
         try:
             return await self._analyze(document, consumed_at)
         except AnalysisFailed as exc:
@@ -267,6 +310,7 @@ class Service:
                 document_id=document.document_id,
                 raw_model_output=exc.raw_output,
                 trace_id=current_trace_id(),
+                max_value_bytes=self.settings.dead_letter_max_value_bytes,
             )
         except Exception as exc:  # a bug must not stop the loop: the record still gets its answer
             log.exception("analysis of %s failed unexpectedly", document.document_id)
@@ -277,10 +321,13 @@ class Service:
                 message=f"{type(exc).__name__}: {exc}",
                 document_id=document.document_id,
                 trace_id=current_trace_id(),
+                max_value_bytes=self.settings.dead_letter_max_value_bytes,
             )
 
     async def _analyze(self, document: Document, consumed_at: float) -> AnalysisEvent:
         outcome = await self.analyzer.analyze(document, consumed_at)
+        self.metrics.ttft.record(outcome.ttft_s, {"kind": document.kind.value})
+        self.metrics.batch_size.record(outcome.batch_size)
         return AnalysisEvent(
             event_id=document.event_id,
             document_id=document.document_id,
@@ -303,26 +350,9 @@ class Service:
         )
 
     async def _publish(self, answer: AnalysisEvent | DeadLetter) -> None:
-        if self._producer is None:
+        if self._publisher is None:
             raise RuntimeError("publish before start")
-        if isinstance(answer, AnalysisEvent):
-            topic, key = self.settings.topic_analysis, answer.document_id
-        else:
-            topic, key = self.settings.topic_dead_letters, answer.document_id or answer.event_id
-        value = answer.model_dump_json().encode("utf-8")
-        try:
-            async for attempt in AsyncRetrying(
-                retry=retry_if_exception_type(KafkaError),
-                wait=wait_exponential(multiplier=0.2, max=5),
-                stop=stop_after_attempt(5),
-                reraise=True,
-            ):
-                with attempt:
-                    await self._producer.send_and_wait(
-                        topic, value, key=key.encode("utf-8"), headers=list(JSON_HEADERS)
-                    )
-        except KafkaError as exc:
-            raise PublishError(f"could not publish {answer.event_id} to {topic}: {exc}") from exc
+        await self._publisher.publish(answer)
         if isinstance(answer, AnalysisEvent):
             self.counters.processed += 1
         else:

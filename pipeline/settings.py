@@ -45,8 +45,14 @@ class Settings(BaseSettings):
     consumer_group: str = "deepanalyze"
     session_timeout_ms: int = Field(default=10_000, ge=1_000)
     max_poll_records: int = Field(default=64, ge=1)
+    fetch_max_wait_ms: int = Field(
+        default=50, ge=1, le=10_000, description="Longest a fetch waits at the broker for new records."
+    )
     max_inflight: int = Field(default=32, ge=1, description="Documents consumed but not yet answered.")
     commit_interval_ms: int = Field(default=1_000, ge=50)
+    shutdown_grace_s: float = Field(
+        default=30.0, ge=0, le=3_600, description="On SIGTERM: time in-flight documents get to finish."
+    )
 
     # Model and engine: the article's three switches, plus where the model lives.
     model_path: Path | None = None  # None: the bundled default model, converted once into the cache
@@ -65,7 +71,7 @@ class Settings(BaseSettings):
     kv_observe_tokens: int = Field(default=32, ge=1, le=1024, description="Observation window when pruning.")
     max_batch_size: int = Field(default=8, ge=1, le=256)
     dynamic_batch_window_ms: float = Field(default=150.0, ge=0, le=10_000)
-    max_tokens_per_step: int = Field(default=256, ge=1, description="Prefill chunks + decodes per forward.")
+    max_tokens_per_step: int = Field(default=192, ge=1, description="Prefill chunks + decodes per forward.")
     kv_cache_bytes: int | None = Field(
         default=None, ge=1, description="KV pool budget; default: a share of free memory."
     )
@@ -73,6 +79,12 @@ class Settings(BaseSettings):
     prefix_caching: bool = Field(default=True, description="Reuse the KV blocks of shared prompt prefixes.")
     max_new_tokens: int = Field(default=1024, ge=16, le=8192)
     max_document_chars: int = Field(default=8_000, ge=1)
+    dead_letter_max_value_bytes: int = Field(
+        default=512 * 1024,
+        ge=0,
+        le=64 * 1024 * 1024,
+        description="Original bytes a dead letter carries whole.",
+    )
     generation_attempts: int = Field(default=2, ge=1, le=5, description="1 + the repair attempt.")
 
     # Status server

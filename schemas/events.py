@@ -197,7 +197,15 @@ class DeadLetter(_Wire):
     document_id: str | None = None
     source: SourceCoordinates
     key_b64: str | None
-    value_b64: str | None = Field(description="The original record value, base64.")
+    value_b64: str | None = Field(
+        description="The original record value, base64 (its first bytes only when value_truncated)."
+    )
+    value_bytes: int | None = Field(default=None, ge=0, description="Length of the original value.")
+    value_sha256: str | None = Field(default=None, description="SHA-256 of the whole original value, hex.")
+    value_truncated: bool = Field(
+        default=False,
+        description="The value was too large to carry whole: the original stays at `source` in its topic.",
+    )
     headers: list[Header]
     error_type: DeadLetterReason
     error_message: str

@@ -186,6 +186,71 @@ def test_decodes_run_before_prefill_chunks() -> None:
         loop.close()
 
 
+def test_a_newcomers_first_token_step_carries_no_partial_prompt_chunk() -> None:
+    """A short request arriving while a long prompt is read gets its first token in a step of
+    its own; the long prompt gives way at most every other step, so newcomers cannot starve it;
+    requests that arrive together share steps as before."""
+    loop = asyncio.new_event_loop()
+    try:
+        scheduler = Scheduler(SchedulerConfig(8, 32, together_s=0.0), BlockManager(256, 16))
+        long = make_sequence(1, 200, 5, loop)
+        scheduler.add(long)
+        (chunk,) = scheduler.schedule(admit=True)
+        assert chunk.num_tokens == 32 and not chunk.samples
+        long.num_computed += chunk.num_tokens
+        shapes = []
+        for i in range(4):  # a short newcomer every step
+            scheduler.add(make_sequence(10 + i, 6, 5, loop))
+            plan = scheduler.schedule(admit=True)
+            shapes.append([(c.seq is long, c.num_tokens, c.samples) for c in plan])
+            for c in plan:
+                c.seq.num_computed += c.num_tokens
+                if c.samples:
+                    c.seq.token_ids.append(5)
+        assert shapes[0] == [(False, 6, True)]  # the newcomer alone: the long chunk waits
+        assert shapes[1] == [(False, 1, True), (False, 6, True), (True, 25, False)]  # not twice
+        assert shapes[2] == [(False, 1, True), (False, 1, True), (False, 6, True)]
+        assert shapes[3][-1] == (True, 23, False)
+        # Requests that arrived together are batched as usual: no step is kept short for them.
+        burst = Scheduler(SchedulerConfig(8, 32, together_s=60.0), BlockManager(256, 16))
+        together = [make_sequence(20, 200, 5, loop), make_sequence(21, 6, 5, loop)]
+        for seq in together:
+            burst.add(seq)
+        plan = burst.schedule(admit=True)
+        assert [(c.seq.seq_id, c.num_tokens) for c in plan] == [(21, 6), (20, 26)]
+    finally:
+        loop.close()
+
+
+def test_a_newcomer_with_a_cached_prefix_counts_only_what_it_must_compute() -> None:
+    """Shortest-first ordering looks past a waiting prompt's cached prefix: a 200-token request
+    whose first 192 tokens are cached goes before a running prompt with 36 tokens left, and its
+    step carries nothing of that prompt."""
+    loop = asyncio.new_event_loop()
+    try:
+        scheduler = Scheduler(SchedulerConfig(max_running=8, max_tokens_per_step=64), BlockManager(256, 16))
+        shared = list(range(100, 300))
+        first = make_sequence(1, shared, 5, loop)
+        scheduler.add(first)
+        while first.num_pending:
+            (chunk,) = scheduler.schedule(admit=True)
+            scheduler.computed(chunk)
+        scheduler.finish(first)  # its blocks stay cached
+        long = make_sequence(2, 164, 5, loop)
+        scheduler.add(long)
+        for _ in range(2):  # two chunks of 64 read
+            plan = scheduler.schedule(admit=True)
+            for c in plan:
+                c.seq.num_computed += c.num_tokens
+        assert long.num_pending == 164 - 128
+        newcomer = make_sequence(3, [*shared[:-1], 9], 5, loop)  # differs only in its last token
+        scheduler.add(newcomer)
+        plan = scheduler.schedule(admit=True)
+        assert [(c.seq.seq_id, c.start, c.num_tokens, c.samples) for c in plan] == [(3, 192, 8, True)]
+    finally:
+        loop.close()
+
+
 @pytest.mark.parametrize("seed", range(2))
 def test_random_load_with_pruning_and_quantised_blocks(seed: int) -> None:
     """Prompts pruned to about half once read (compacted, the tail released), old blocks

@@ -22,6 +22,8 @@ class ScriptedEngine:
         self.kv_compression = kv_compression
         self._model_id = model_id
         self.calls = 0
+        self.active = 0
+        self.max_concurrent = 0
 
     @property
     def model_id(self) -> str:
@@ -34,7 +36,12 @@ class ScriptedEngine:
         self, prompt_ids: Sequence[int], params: SamplingParams | None = None
     ) -> GenerationResult:
         self.calls += 1
-        await asyncio.sleep(self.delay_s)
+        self.active += 1
+        self.max_concurrent = max(self.max_concurrent, self.active)
+        try:
+            await asyncio.sleep(self.delay_s)
+        finally:
+            self.active -= 1
         messages = json.loads(bytes(prompt_ids).decode("utf-8"))
         user = messages[1]["content"]
         document = user.split("<document>")[-1].split("</document>")[0].strip()

@@ -3,6 +3,9 @@ from __future__ import annotations
 import random
 
 from aiokafka.structs import TopicPartition
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from pipeline.offsets import OffsetTracker
 
@@ -68,3 +71,88 @@ def test_random_completion_orders_commit_exactly_what_is_done() -> None:
                 assert commit[tp] == offsets[prefix - 1] + 1
             else:
                 assert tp not in commit
+
+
+class TrackerAgainstModel(RuleBasedStateMachine):
+    """Interleaved fetches (with offset gaps), out-of-order answers, duplicate answers, commits and
+    revocations, checked after every step against a direct statement of the rules: a partition's
+    commit point is one past the longest run of answered offsets from the first one fetched (since
+    it was last assigned), offered once until it moves, and never past an unanswered offset."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tracker = OffsetTracker()
+        self.fetched: dict[TopicPartition, list[int]] = {}
+        self.done: dict[TopicPartition, set[int]] = {}
+        self.committed: dict[TopicPartition, int] = {}
+        self.next_offset: dict[TopicPartition, int] = {}  # the broker's next offset per partition
+
+    @rule(partition=st.integers(0, 2), gap=st.integers(0, 3))
+    def fetch(self, partition: int, gap: int) -> None:
+        tp = TopicPartition("t", partition)
+        offset = self.next_offset.get(tp, 0) + gap  # gaps: compacted or transactional markers
+        self.next_offset[tp] = offset + 1
+        self.tracker.register(tp, offset)
+        self.fetched.setdefault(tp, []).append(offset)
+        self.done.setdefault(tp, set())
+
+    @rule(data=st.data())
+    def answer(self, data: st.DataObject) -> None:
+        candidates = [(tp, o) for tp, offsets in self.fetched.items() for o in offsets]
+        if not candidates:
+            return
+        tp, offset = data.draw(st.sampled_from(candidates))
+        self.tracker.mark_done(tp, offset)  # answering twice (a retry) is harmless
+        self.done[tp].add(offset)
+
+    @rule(data=st.data())
+    def answer_after_revoke(self, data: st.DataObject) -> None:
+        """An answer for a partition this worker no longer owns changes nothing."""
+        tp = TopicPartition("t", data.draw(st.integers(3, 4)))
+        self.tracker.mark_done(tp, data.draw(st.integers(0, 50)))
+
+    @rule()
+    def commit(self) -> None:
+        offers = self.tracker.to_commit()
+        assert offers == self.expected_offers()
+        self.tracker.committed(offers)
+        self.committed.update(offers)
+
+    @rule(partition=st.integers(0, 2))
+    def revoke(self, partition: int) -> None:
+        tp = TopicPartition("t", partition)
+        self.tracker.forget({tp})
+        self.fetched.pop(tp, None)
+        self.done.pop(tp, None)
+        self.committed.pop(tp, None)
+
+    def commit_point(self, tp: TopicPartition) -> int | None:
+        point = None
+        for offset in self.fetched.get(tp, []):
+            if offset not in self.done[tp]:
+                break
+            point = offset + 1
+        return point
+
+    def expected_offers(self) -> dict[TopicPartition, int]:
+        offers = {}
+        for tp in self.fetched:
+            point = self.commit_point(tp)
+            if point is not None and self.committed.get(tp) != point:
+                offers[tp] = point
+        return offers
+
+    @invariant()
+    def never_past_an_unanswered_offset(self) -> None:
+        for tp, offset in self.tracker.to_commit().items():
+            assert all(o in self.done[tp] for o in self.fetched[tp] if o < offset)
+        # Held back: everything from the first unanswered offset on (answered or not).
+        held = 0
+        for tp, offsets in self.fetched.items():
+            point = self.commit_point(tp)
+            held += sum(1 for o in offsets if point is None or o >= point)
+        assert self.tracker.num_pending() == held
+
+
+TestTrackerAgainstModel = TrackerAgainstModel.TestCase
+TestTrackerAgainstModel.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)

@@ -11,12 +11,16 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+import httpx
+import psutil
 import pytest
 from aiokafka.structs import TopicPartition
 from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.client import Sent, collect_answers, publish_documents, publish_raw
+from pipeline.http import serve_status
 from pipeline.kafka import ensure_topics, make_consumer
 from pipeline.service import Service, running
 from pipeline.settings import Settings
@@ -149,26 +153,41 @@ def _settings_env(settings: Settings) -> dict[str, str]:
     return env
 
 
-async def test_crash_mid_stream_loses_nothing(settings: Settings, telemetry: Telemetry) -> None:
-    settings = Settings(**{**settings.model_dump(), "max_inflight": 2, "commit_interval_ms": 500})
+async def test_two_workers_one_killed_mid_batch_lose_nothing(settings: Settings) -> None:
+    """Pipeline delivery under a crash, so the analyser is the fast stand-in (`ScriptedEngine`):
+    two worker processes share the group's partitions, one is SIGKILLed mid-batch (no drain, no
+    final commit); the survivor takes its partitions over, every document gets exactly one
+    event id, the committed offsets reach the end, and SIGTERM stops the survivor cleanly."""
+    settings = Settings(**{**settings.model_dump(), "max_inflight": 4, "commit_interval_ms": 300})
     await ensure_topics(settings)
-    sent = await publish_documents(settings, good_documents(30))
+    sent = await publish_documents(settings, good_documents(200))
     expected = {s.event_id for s in sent}
-    env = _settings_env(settings) | {"SCRIPTED_DELAY_S": "0.25", "PYTHONPATH": str(ROOT)}
-    worker = subprocess.Popen([sys.executable, "-m", "tests.pipeline.worker"], cwd=ROOT, env=env)
+    env = _settings_env(settings) | {"SCRIPTED_DELAY_S": "0.2", "PYTHONPATH": str(ROOT)}
+    workers = [
+        subprocess.Popen([sys.executable, "-m", "tests.pipeline.worker"], cwd=ROOT, env=env) for _ in range(2)
+    ]
     try:
-        early = await collect_answers(settings, None, timeout_s=90, count=8)
-        assert sum(map(len, early.values())) >= 8, "the first worker never answered"
-    finally:
-        worker.send_signal(signal.SIGKILL)  # a crash: no drain, no final commit
-        worker.wait()
-    killed_answers = sum(map(len, (await collect_answers(settings, None, timeout_s=2)).values()))
-    assert killed_answers < len(expected), "the crash came too late to be mid-stream"
+        early = await collect_answers(settings, None, timeout_s=90, count=30)
+        assert sum(map(len, early.values())) >= 30, "the workers never answered"
+        workers[0].send_signal(signal.SIGKILL)  # a crash: in-flight work lost, nothing committed
+        workers[0].wait()
+        at_kill = sum(map(len, (await collect_answers(settings, None, timeout_s=1)).values()))
+        assert at_kill < len(expected), "the crash came too late to be mid-stream"
 
-    service = Service(settings, ScriptedEngine(), telemetry)
-    async with running(service, asyncio.Event()):
-        answers = await collect_answers(settings, expected, timeout_s=60)
-        await asyncio.sleep(0.5)
+        answers = await collect_answers(settings, expected, timeout_s=120)
+        ends = partition_ends(sent)
+        for _ in range(50):  # the survivor commits every 300 ms
+            if await committed_offsets(settings, set(ends)) == ends:
+                break
+            await asyncio.sleep(0.2)
+        assert await committed_offsets(settings, set(ends)) == ends
+        workers[1].send_signal(signal.SIGTERM)
+        assert workers[1].wait(timeout=30) == 0
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
 
     assert set(answers) == expected  # nothing lost, nothing unexpected
     by_document: dict[str, set[str]] = defaultdict(set)
@@ -179,8 +198,52 @@ async def test_crash_mid_stream_loses_nothing(settings: Settings, telemetry: Tel
     # Re-deliveries after the crash are duplicates of the same event, never a new id.
     assert all(len(ids) == 1 for ids in by_document.values())
     assert len(by_document) == len(sent)
-    ends = partition_ends(sent)
-    assert await committed_offsets(settings, set(ends)) == ends
+
+
+async def test_workers_option_runs_a_group_of_processes_that_stop_cleanly(settings: Settings) -> None:
+    """`--workers N`'s supervisor, with the stand-in worker (this is about processes, not the model)."""
+    await ensure_topics(settings)
+    sent = await publish_documents(settings, good_documents(40))
+    code = (
+        "import asyncio, sys; from pipeline.workers import supervise; "
+        "sys.exit(asyncio.run(supervise(2, [sys.executable, '-m', 'tests.pipeline.worker'])))"
+    )
+    env = _settings_env(settings) | {"SCRIPTED_DELAY_S": "0.05", "PYTHONPATH": str(ROOT), "STATUS_PORT": "0"}
+    supervisor = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env)
+    try:
+        answers = await collect_answers(settings, {s.event_id for s in sent}, timeout_s=90)
+        children = psutil.Process(supervisor.pid).children()
+        assert len(children) == 2
+        supervisor.send_signal(signal.SIGTERM)
+        assert supervisor.wait(timeout=30) == 0
+        assert not any(child.is_running() and child.status() != psutil.STATUS_ZOMBIE for child in children)
+    finally:
+        if supervisor.poll() is None:
+            supervisor.kill()
+            supervisor.wait()
+    assert len(answers) == len(sent)
+
+
+async def test_backpressure_bounds_in_flight_documents_and_pauses_fetching(
+    settings: Settings, telemetry: Telemetry
+) -> None:
+    settings = Settings(**{**settings.model_dump(), "max_inflight": 3})
+    await ensure_topics(settings)
+    sent = await publish_documents(settings, good_documents(40))
+    engine = ScriptedEngine(delay_s=0.05)
+    service = Service(settings, engine, telemetry)
+    paused_seen = False
+    async with running(service, asyncio.Event()):
+        collecting = asyncio.create_task(collect_answers(settings, {s.event_id for s in sent}, timeout_s=60))
+        while not collecting.done():
+            status = service.status()
+            assert status["in_flight"] <= settings.max_inflight
+            paused_seen |= status["paused"] and bool(service.consumer.paused())
+            await asyncio.sleep(0.01)
+        answers = collecting.result()
+    assert len(answers) == len(sent)
+    assert engine.max_concurrent == settings.max_inflight  # the bound was reached, never passed
+    assert paused_seen
 
 
 async def test_one_trace_per_document(
@@ -208,15 +271,79 @@ async def test_one_trace_per_document(
         by_name = {s.name: s for s in in_trace}
         process = by_name[f"process {event.source.topic}"]
         analyze = by_name["analyze"]
-        publish = by_name[f"{settings.topic_analysis} send"]
+        publish = by_name[f"publish {settings.topic_analysis}"]
         assert process.kind is trace.SpanKind.CONSUMER
         assert process.attributes["messaging.system"] == "kafka"
+        assert process.attributes["messaging.destination.name"] == event.source.topic
         assert process.attributes["messaging.destination.partition.id"] == str(event.source.partition)
+        assert process.attributes["messaging.consumer.group.name"] == settings.consumer_group
+        assert process.attributes["messaging.batch.message_count"] >= 1
+        assert publish.kind is trace.SpanKind.PRODUCER
+        assert publish.attributes["messaging.system"] == "kafka"
+        assert publish.attributes["messaging.destination.name"] == settings.topic_analysis
+        assert publish.attributes["messaging.destination.partition.id"] is not None
         # consume -> analyze -> publish hang under the document's process span ...
         assert analyze.parent.span_id == process.context.span_id
         assert publish.parent.span_id == process.context.span_id
-        assert {"queue_wait", "chat scripted"} <= by_name.keys()
-        assert by_name["chat scripted"].attributes["gen_ai.usage.output_tokens"] > 0
+        assert by_name[f"{settings.topic_analysis} send"].parent.span_id == publish.context.span_id
+        # ... the engine's phases under analyze, with gen_ai attributes ...
+        chat = by_name["chat scripted"]
+        assert by_name["queue_wait"].parent.span_id == analyze.context.span_id
+        assert chat.attributes["gen_ai.request.model"] == "scripted"
+        assert chat.attributes["gen_ai.usage.output_tokens"] > 0
+        assert chat.attributes["gen_ai.server.time_to_first_token"] > 0
+        assert chat.attributes["deepanalyze.engine.batch_size"] == 1
+        for phase in ("prefill", "decode"):
+            assert by_name[phase].parent.span_id == chat.context.span_id
+            assert chat.start_time <= by_name[phase].start_time <= by_name[phase].end_time <= chat.end_time
+        assert by_name["prefill"].attributes["gen_ai.usage.input_tokens"] > 0
         # ... which continues the producer's context from the record headers.
         producer_send = by_name[f"{event.source.topic} send"]
         assert process.parent.span_id == producer_send.context.span_id
+
+
+async def test_metrics_endpoint_exposes_latency_batches_queue_kv_lag_and_dead_letters(
+    settings: Settings, telemetry: Telemetry
+) -> None:
+    settings = Settings(**{**settings.model_dump(), "max_document_chars": 4000})  # as publish_bad expects
+    await ensure_topics(settings)
+    sent = await publish_documents(settings, good_documents(4))
+    bad = await publish_bad(settings)
+    service = Service(settings, ScriptedEngine(), telemetry)
+    async with (
+        running(service, asyncio.Event()),
+        serve_status(service.status, "127.0.0.1", 0, service.metrics.render) as port,
+        httpx.AsyncClient() as client,
+    ):
+        await collect_answers(settings, {s.event_id for s in sent} | set(bad), timeout_s=60)
+        await asyncio.sleep(0.5)  # the last commits
+        response = await client.get(f"http://127.0.0.1:{port}/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    samples = {
+        (
+            sample.name,
+            tuple(sorted((k, v) for k, v in sample.labels.items() if not k.startswith("otel_"))),
+        ): sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+    }
+    names = {name for name, _ in samples}
+
+    def value(name: str, **labels: str) -> float:
+        return samples[name, tuple(sorted(labels.items()))]
+
+    assert value("deepanalyze_documents_total", outcome="analysis") == len(sent)
+    assert value("deepanalyze_documents_total", outcome="dead_letter") == len(bad)
+    for reason in set(bad.values()):
+        expected = sum(1 for r in bad.values() if r is reason)
+        assert value("deepanalyze_dead_letters_total", reason=reason.value) == expected
+    assert value("deepanalyze_document_duration_seconds_count", outcome="analysis") == len(sent)
+    assert value("deepanalyze_time_to_first_token_seconds_count", kind="complaint") >= 1
+    assert "deepanalyze_engine_batch_size_bucket" in names
+    for gauge in ("deepanalyze_engine_queue_depth", "deepanalyze_in_flight", "deepanalyze_kv_pool_used_bytes",
+                  "deepanalyze_kv_pool_total_bytes"):  # fmt: skip
+        assert gauge in names
+    lags = {labels: v for (name, labels), v in samples.items() if name == "deepanalyze_consumer_lag"}
+    assert len(lags) == len(settings.input_topics) * settings.topic_partitions
+    assert all(v == 0 for v in lags.values())  # everything answered and committed

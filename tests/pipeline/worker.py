@@ -1,10 +1,11 @@
-"""A worker process for the crash test: the real Service with the stand-in engine, settings from
-the environment. The test SIGKILLs it mid-stream."""
+"""A worker process for the crash tests: the real Service with the stand-in engine, settings from
+the environment. Tests SIGKILL it mid-stream, or SIGTERM it for a graceful stop (exit 0)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import signal
 
 from opentelemetry.sdk.trace import TracerProvider
 
@@ -18,7 +19,10 @@ async def main() -> None:
     settings = load_settings()
     engine = ScriptedEngine(delay_s=float(os.environ["SCRIPTED_DELAY_S"]))
     service = Service(settings, engine, setup_telemetry(settings, TracerProvider()))
-    await service.run(asyncio.Event())
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await service.run(stop)
 
 
 if __name__ == "__main__":

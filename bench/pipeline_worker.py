@@ -1,0 +1,70 @@
+"""A worker process for the pipeline benchmark: the real `Service` (decode, spans, metrics, publish,
+offset tracking, commits) with an analyser that answers at once, so what is measured is the
+pipeline itself. Settings from the environment; stops on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from collections.abc import Sequence
+
+from opentelemetry.sdk.trace import TracerProvider
+
+from engine import EngineStats, GenerationResult, SamplingParams
+from pipeline.service import Service
+from pipeline.settings import load_settings
+from pipeline.telemetry import setup_telemetry
+
+ANSWER = json.dumps(
+    {
+        "core_viewpoint": "No analysis: the pipeline benchmark's instant analyser.",
+        "key_information": {"facts": [], "data": [], "conclusions": []},
+        "sentiment": {
+            "polarity": "neutral",
+            "implies_doubt": False,
+            "implies_expectation": False,
+            "rationale": "-",
+        },
+        "triage": {"urgency": "low", "category": "benchmark", "escalate": False},
+    }
+)
+
+
+class InstantEngine:
+    """Answers every prompt with the same valid analysis, without a model."""
+
+    model_id = "instant"
+
+    def format_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        return [len(m["content"]) for m in messages]
+
+    async def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams | None = None
+    ) -> GenerationResult:
+        return GenerationResult(
+            text=ANSWER, token_ids=[0], prompt_tokens=len(prompt_ids), finish_reason="stop",
+            queued_s=0.0, ttft_s=0.0, total_s=0.0, batch_size=1,
+        )  # fmt: skip
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            model_id="instant", device="cpu", dtype="none", dynamic_batching=False, kv_compression=False,
+            max_batch_size=1, num_waiting=0, num_running=0, num_steps=0, num_finished=0,
+            num_generated_tokens=0, num_preemptions=0, mean_batch_size=0.0, largest_batch=0,
+            kv_total_bytes=0, kv_used_bytes=0, kv_bytes_per_token=1, kv_tokens=0, kv_quant_bits=None,
+            kv_cold_bytes_per_token=0.0, prefix_caching=False, prefix_cached_blocks=0, prefix_hit_tokens=0,
+        )  # fmt: skip
+
+
+async def main() -> None:
+    settings = load_settings()
+    service = Service(settings, InstantEngine(), setup_telemetry(settings, TracerProvider()))
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await service.run(stop)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

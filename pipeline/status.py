@@ -1,0 +1,64 @@
+"""What `GET /api/status` reports about a worker: switches, counters, engine, KV pool, lag."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pipeline.service import Service
+
+
+def status_report(service: Service) -> dict[str, Any]:
+    stats = service.engine.stats()
+    return {
+        "status": "ready" if service.is_ready else "starting",
+        "dynamic_batching": service.settings.dynamic_batching,
+        "kv_compression": stats.kv_compression,
+        "kv_profile": {
+            "quant_bits": stats.kv_quant_bits,
+            "residual_tokens": service.settings.kv_residual_tokens,
+            "sink_tokens": service.settings.kv_sink_tokens,
+            "keep_ratio": service.settings.kv_keep_ratio,
+            "prune_policy": service.settings.kv_prune_policy,
+        }
+        if stats.kv_compression
+        else None,
+        "max_batch_size": service.settings.max_batch_size,
+        "dynamic_batch_window_ms": service.settings.dynamic_batch_window_ms,
+        "model": stats.model_id,
+        "device": stats.device,
+        "dtype": stats.dtype,
+        "consumed": service.counters.consumed,
+        "processed": service.counters.processed,
+        "failed": service.counters.failed,
+        "dead_lettered": service.counters.dead_lettered,
+        "in_flight": service.in_flight,
+        "paused": service.paused,
+        "consumer_lag": {f"{tp.topic}[{tp.partition}]": lag for tp, lag in sorted(service.lag().items())},
+        "engine": {
+            "waiting": stats.num_waiting,
+            "running": stats.num_running,
+            "steps": stats.num_steps,
+            "mean_batch_size": round(stats.mean_batch_size, 3),
+            "largest_batch": stats.largest_batch,
+            "batch_occupancy": round(stats.batch_occupancy, 3),
+            "generated_tokens": stats.num_generated_tokens,
+            "preemptions": stats.num_preemptions,
+        },
+        "kv_pool": {
+            "total_bytes": stats.kv_total_bytes,
+            "used_bytes": stats.kv_used_bytes,
+            "free_bytes": stats.kv_total_bytes - stats.kv_used_bytes,
+            "bytes_per_token": stats.kv_bytes_per_token,
+            "quantised_bytes_per_token": stats.kv_cold_bytes_per_token,
+            "held_tokens": stats.kv_tokens,
+            "live_ratio": round(stats.kv_ratio, 4),
+            "prefix_caching": stats.prefix_caching,
+            "prefix_cached_blocks": stats.prefix_cached_blocks,
+            "prefix_hit_tokens": stats.prefix_hit_tokens,
+        },
+        "input_topics": list(service.settings.input_topics),
+        "consumer_group": service.settings.consumer_group,
+        "uptime_s": round(time.time() - service.started_at, 1),
+    }
