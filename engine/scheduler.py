@@ -12,9 +12,9 @@ Policy, in order, within a per-step token budget:
    Requests that arrived together (a burst) are batched as usual. A prompt gives way at most
    every other step, so a stream of short newcomers cannot starve it.
 When the block pool cannot hold a decode, the youngest running sequence is preempted: its blocks
-are freed and it goes back to the front of the queue to be recomputed later (its generated tokens
-are kept, so its output does not change; a pruned sequence is recomputed in full and pruned
-again). A joining sequence first adopts the cached blocks of its
+are freed and it goes back to the front of the queue to be recomputed later, once all of it fits
+the free blocks (its generated tokens are kept, so its output does not change; a pruned sequence
+is recomputed in full and pruned again). A joining sequence first adopts the cached blocks of its
 longest known prefix (see `BlockManager.adopt_prefix`) and prefills only the rest.
 Bookkeeping over `BlockManager`: no model tensors (index tensors for pruning moves only).
 """
@@ -146,6 +146,8 @@ class Scheduler:
             joining = seq.status is Status.WAITING
             if joining and len(self.running) >= self.config.max_running:
                 continue
+            if joining and seq.num_preemptions and self._too_big_to_resume(seq):
+                continue  # a preempted sequence comes back only when all of it fits: no thrashing
             n = min(seq.num_pending, budget, self._room(seq))
             if n <= 0:
                 break
@@ -177,6 +179,12 @@ class Scheduler:
             plan.append(self._take(seq, n))
             budget -= n
         return plan
+
+    def _too_big_to_resume(self, seq: Sequence) -> bool:
+        """Whether its tokens need more blocks than are free (never more than the whole pool:
+        with nothing running, any sequence the engine accepted fits)."""
+        needed = min(self.blocks.blocks_for(seq.num_pending), self.blocks.num_blocks)
+        return needed > self.blocks.num_free
 
     def _to_compute(self, seq: Sequence) -> int:
         """Prompt tokens left to run; a waiting sequence's cached prefix does not count."""
