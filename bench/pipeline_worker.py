@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 from collections.abc import Sequence
 
 from opentelemetry.sdk.trace import TracerProvider
@@ -15,6 +14,7 @@ from engine import EngineStats, GenerationResult, SamplingParams
 from pipeline.service import Service
 from pipeline.settings import load_settings
 from pipeline.telemetry import setup_telemetry
+from pipeline.workers import stop_on_signals
 
 ANSWER = json.dumps(
     {
@@ -60,10 +60,7 @@ class InstantEngine:
 async def main() -> None:
     settings = load_settings()
     service = Service(settings, InstantEngine(), setup_telemetry(settings, TracerProvider()))
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    await service.run(stop)
+    await service.run(stop_on_signals())
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import signal
 import sys
 from pathlib import Path
 
@@ -20,25 +19,19 @@ from schemas import AnalysisEvent, DocumentKind
 log = logging.getLogger("deepanalyze")
 
 
-def _stop_on_signals(stop: asyncio.Event) -> None:
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-
-
 async def _run(settings: Settings) -> None:
     from pipeline.app import serve
+    from pipeline.workers import stop_on_signals
 
-    stop = asyncio.Event()
-    _stop_on_signals(stop)
+    stop = stop_on_signals()
     await serve(settings, stop)
 
 
 async def _broker(port: int) -> None:
     from pipeline.broker import embedded_broker
+    from pipeline.workers import stop_on_signals
 
-    stop = asyncio.Event()
-    _stop_on_signals(stop)
+    stop = stop_on_signals()
     with embedded_broker(port=port) as broker:
         Console(stderr=True).print(
             f"embedded broker on {broker.bootstrap_servers} (in memory; Ctrl-C stops it)"

@@ -61,6 +61,7 @@ class Metrics:
         )
         meter = self.provider.get_meter("deepanalyze")
         self._snapshot = snapshot
+        self._scraped: Snapshot | None = None  # taken once per scrape, read by every gauge
         self.duration = meter.create_histogram(
             "deepanalyze.document.duration",
             unit="s",
@@ -89,28 +90,35 @@ class Metrics:
         )
 
     def render(self) -> bytes:
-        return bytes(generate_latest(self.registry))
+        self._scraped = self._snapshot()
+        try:
+            return bytes(generate_latest(self.registry))
+        finally:
+            self._scraped = None
+
+    def _current(self) -> Snapshot:
+        return self._scraped if self._scraped is not None else self._snapshot()
 
     def shutdown(self) -> None:
         self.provider.shutdown()
 
     def _queue_depth(self, _: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(self._snapshot().queue_depth)]
+        return [Observation(self._current().queue_depth)]
 
     def _running(self, _: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(self._snapshot().running)]
+        return [Observation(self._current().running)]
 
     def _in_flight(self, _: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(self._snapshot().in_flight)]
+        return [Observation(self._current().in_flight)]
 
     def _kv_used(self, _: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(self._snapshot().kv_used_bytes)]
+        return [Observation(self._current().kv_used_bytes)]
 
     def _kv_total(self, _: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(self._snapshot().kv_total_bytes)]
+        return [Observation(self._current().kv_total_bytes)]
 
     def _lag(self, _: CallbackOptions) -> Iterable[Observation]:
         return [
             Observation(lag, {"topic": topic, "partition": str(partition)})
-            for (topic, partition), lag in sorted(self._snapshot().lag.items())
+            for (topic, partition), lag in sorted(self._current().lag.items())
         ]

@@ -29,13 +29,19 @@ def worker_env(base: dict[str, str], index: int) -> dict[str, str]:
     return env
 
 
+def stop_on_signals() -> asyncio.Event:
+    """An event that SIGINT or SIGTERM sets (call from inside the running event loop)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
 async def supervise(count: int, command: Sequence[str] | None = None, max_restarts: int = 5) -> int:
     """Runs `count` copies of `command` (default: this program's `run`) until SIGTERM/SIGINT."""
     argv = list(command or [sys.executable, "-m", "pipeline", "run"])
-    stopping = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stopping.set)
+    stopping = stop_on_signals()
     codes = await asyncio.gather(*(_keep_running(argv, i, stopping, max_restarts) for i in range(count)))
     return max(codes)
 

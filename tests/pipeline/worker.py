@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 
 from opentelemetry.sdk.trace import TracerProvider
 
 from pipeline.service import Service
 from pipeline.settings import load_settings
 from pipeline.telemetry import setup_telemetry
+from pipeline.workers import stop_on_signals
 from tests.pipeline.fakes import ScriptedEngine
 
 
@@ -19,10 +19,7 @@ async def main() -> None:
     settings = load_settings()
     engine = ScriptedEngine(delay_s=float(os.environ["SCRIPTED_DELAY_S"]))
     service = Service(settings, engine, setup_telemetry(settings, TracerProvider()))
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    await service.run(stop)
+    await service.run(stop_on_signals())
 
 
 if __name__ == "__main__":
