@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: install demo test lint typecheck unit schemas bench-engine bench-validity bench-kv bench-pipeline clean
+.PHONY: install demo test lint typecheck unit schemas bench bench-full bench-engine bench-validity bench-kv bench-pipeline clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 	# Docker Compose v2 for the offline `docker compose config` check of deploy/ (checksummed binary).
 	$(BIN)/python .ci/fetch-compose $(BIN)/docker-compose
+	# Debian's Chromium and a CJK font for the browser tests of the pages.
+	.ci/install-browser
 	rm -f $(VENV)/.installed-*
 	touch $@
 
@@ -45,6 +47,12 @@ bench-kv: install
 
 bench-pipeline: install
 	$(BIN)/python -m bench.pipeline_bench --out bench/results/pipeline.json
+
+bench: install
+	$(BIN)/python -m bench.load_test --profile quick --out-dir bench/results/load
+
+bench-full: install
+	$(BIN)/python -m bench.load_test --profile full --out-dir bench/results/load-full
 
 bench-validity: install
 	$(BIN)/python -m bench.validity --out bench/results/validity.json

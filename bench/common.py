@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from pipeline.app import resolve_model_path
-from pipeline.settings import load_settings
+from pipeline.settings import Settings, load_settings
 
 
 def parser(doc: str | None) -> argparse.ArgumentParser:
@@ -18,3 +18,23 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
 
 def model_path(arg: Path | None) -> Path:
     return arg if arg is not None else resolve_model_path(load_settings())
+
+
+def worker_env(settings: Settings, **extra: str) -> dict[str, str]:
+    """The environment of a worker process that loads exactly `settings`: the parent's environment
+    minus anything `settings` sets, plus every setting as its variable (secrets included, in clear:
+    the child needs them; they never reach a log)."""
+    import os
+
+    from pydantic import SecretStr
+
+    values = settings.model_dump()
+    env = {k: v for k, v in os.environ.items() if k.lower() not in values}
+    for name, value in values.items():
+        if value is None or isinstance(value, dict | list):
+            continue
+        if isinstance(value, SecretStr):
+            value = value.get_secret_value()
+        env[name.upper()] = str(value).lower() if isinstance(value, bool) else str(value)
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    return env | extra

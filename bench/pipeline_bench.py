@@ -33,6 +33,7 @@ from aiokafka.structs import TopicPartition
 from rich.console import Console
 from rich.table import Table
 
+from bench.common import worker_env
 from pipeline.broker import embedded_broker
 from pipeline.kafka import client_options, ensure_topics
 from pipeline.settings import Settings, load_settings
@@ -69,11 +70,7 @@ def variant_settings(servers: str, max_inflight: int, fetch_wait_ms: int) -> Set
 
 
 def worker(settings: Settings, sampled: float) -> subprocess.Popen[bytes]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "TOPIC_", "MAX_", "CONSUMER_"))}
-    for name, value in settings.model_dump().items():
-        if value is not None and not isinstance(value, dict | list):
-            env[name.upper()] = str(value).lower() if isinstance(value, bool) else str(value)
-    env["PYTHONPATH"] = str(ROOT)
+    env = worker_env(settings)
     if sampled < 1:  # the SDK's own switches: keep this share of traces (every span of a kept one)
         env |= {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": str(sampled)}
     return subprocess.Popen([sys.executable, "-m", "bench.pipeline_worker"], cwd=ROOT, env=env)

@@ -16,10 +16,12 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from engine import Engine, EngineConfig
 from engine.selftest import self_test
 from engine.weights import default_model_folder, is_prepared, prepare_default_model
+from pipeline.answers import AnswerHub
 from pipeline.http import serve_status
 from pipeline.service import Service
 from pipeline.settings import Settings
 from pipeline.telemetry import Telemetry, setup_telemetry
+from pipeline.web import Front, router
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +84,17 @@ async def serve(
     engine = await asyncio.to_thread(Engine.from_config, config)
     async with engine:
         service = Service(settings, engine, telemetry)
+        hub = AnswerHub(settings)
+        front = Front(settings, hub)
         status = serve_status(
-            service.status, settings.status_host, settings.status_port, service.metrics.render
+            service.status, settings.status_host, settings.status_port, service.metrics.render, router(front)
         )
         async with status as port:
-            log.info("status on http://%s:%d/api/status", settings.status_host, port)
+            log.info("pages and status on http://%s:%d/", settings.status_host, port)
             if on_ready is not None:
                 on_ready(service, port)
-            await service.run(stop)
+            try:
+                await service.run(stop)
+            finally:
+                await hub.close()
+                await front.close()

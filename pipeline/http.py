@@ -1,4 +1,5 @@
-"""The status server: `GET /api/status` (JSON), `GET /healthz` and `GET /metrics` (Prometheus).
+"""The service's HTTP server: `GET /api/status` (JSON), `GET /healthz`, `GET /metrics` (Prometheus),
+`GET /openapi.json`, and, given the front end's router, the pages and their API (`pipeline.web`).
 
 Binds to 127.0.0.1 unless configured. Runs inside the service's event loop; leaves signal
 handling to the service.
@@ -12,8 +13,9 @@ from collections.abc import AsyncIterator, Callable, Generator
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
 
 from pipeline.metrics import CONTENT_TYPE
 
@@ -21,8 +23,16 @@ StatusSource = Callable[[], dict[str, Any]]
 MetricsSource = Callable[[], bytes]
 
 
-def create_app(status: StatusSource, metrics: MetricsSource | None = None) -> FastAPI:
-    app = FastAPI(title="DeepAnalyze", version="0.1.0")
+def create_app(
+    status: StatusSource, metrics: MetricsSource | None = None, web: APIRouter | None = None
+) -> FastAPI:
+    # No Swagger UI or ReDoc pages: they load their scripts from a CDN. The schema is at /openapi.json.
+    app = FastAPI(title="DeepAnalyze", version="0.1.0", docs_url=None, redoc_url=None)
+    if web is not None:
+        from pipeline.web import STATIC
+
+        app.include_router(web)
+        app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
     if metrics is not None:
 
@@ -51,10 +61,14 @@ class _Server(uvicorn.Server):
 
 @contextlib.asynccontextmanager
 async def serve_status(
-    status: StatusSource, host: str, port: int, metrics: MetricsSource | None = None
+    status: StatusSource,
+    host: str,
+    port: int,
+    metrics: MetricsSource | None = None,
+    web: APIRouter | None = None,
 ) -> AsyncIterator[int]:
-    """Serves the status app for the body of the block; yields the bound port (port 0: any free)."""
-    app = create_app(status, metrics)
+    """Serves the app for the body of the block; yields the bound port (port 0: any free)."""
+    app = create_app(status, metrics, web)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
     server = _Server(config)
     task = asyncio.create_task(server.serve())

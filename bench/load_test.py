@@ -1,0 +1,372 @@
+"""The article's load test, through the whole system: documents into Kafka, a real worker
+(`deepanalyze run`: engine, default model), analyses out of Kafka.
+
+For each configuration - one request at a time (`DYNAMIC_BATCHING=false`), dynamic batching, and
+dynamic batching with `KV_COMPRESSION=true` - a fresh worker process on topics of its own, the same
+KV pool size for all; after one unmeasured warm-up document, a sweep of rising offered load (five
+departments, open-loop Poisson arrivals) that stops at the first level whose P95 latency exceeds
+the SLO or where more than 1 % of documents are not answered within the deadline; then the
+article's burst (one sender, 15 documents of different lengths back to back).
+Writes `load-report.md`, `load.json` (every document: when sent, what came back, when) and two
+PNG plots into `--out-dir`. Embedded broker by default; `KAFKA_BOOTSTRAP_SERVERS` for any Kafka.
+
+    python -m bench.load_test                  # quick profile (about 10 minutes on 2 cores)
+    python -m bench.load_test --profile full   # 10-minute levels, for a GPU host
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import math
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+from aiokafka import AIOKafkaProducer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from bench import common
+from bench.load_gen import DEPARTMENTS, Collector, CorpusDoc, Sender, Sent, drain, load_corpus, schedule
+from bench.load_report import Level, markdown, max_stable, outcome, plot, summarise
+from pipeline.broker import embedded_broker
+from pipeline.kafka import client_options, ensure_topics
+from pipeline.settings import Settings, load_settings
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = {  # name -> (label, environment)
+    "static": (
+        "one at a time (DYNAMIC_BATCHING=false)",
+        {"dynamic_batching": False, "kv_compression": False},
+    ),
+    "dynamic": ("dynamic batching", {"dynamic_batching": True, "kv_compression": False}),
+    "dynamic_kv": ("dynamic batching + KV compression", {"dynamic_batching": True, "kv_compression": True}),
+}
+# Offered loads (documents/min), seconds of arrivals per level (at least `min_docs` documents),
+# which configurations run the burst, and whether a configuration skips the loads below the
+# previous one's highest stable load (quick: they cost minutes and the previous one held them).
+PROFILES: dict[str, dict[str, Any]] = {
+    "quick": {"rates": [3.0, 6.0, 12.0, 24.0, 48.0], "level_s": 30.0, "min_docs": 3, "burst": ["dynamic"], "skip": True},
+    "full": {"rates": [1.5, 3.0, 6.0, 12.0, 24.0, 48.0, 96.0], "level_s": 600.0, "min_docs": 10,
+             "burst": list(CONFIGS), "skip": False},
+}  # fmt: skip
+
+
+@dataclass
+class Watch:
+    """Peak RSS of the worker (with children) and peak KV pool use from its /api/status."""
+
+    pid: int
+    status_url: str | None
+    peak_rss: float = 0.0
+    kv_total: int | None = None
+    kv_peak_used: int = 0
+    samples: list[tuple[float, float, int | None]] = field(default_factory=list)  # (t, rss MiB, kv used)
+
+    def sample(self) -> None:
+        try:
+            proc = psutil.Process(self.pid)
+            rss = sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)])
+        except psutil.Error:
+            return
+        used = None
+        if self.status_url is not None:
+            with contextlib.suppress(OSError, ValueError):
+                with urllib.request.urlopen(self.status_url, timeout=2) as response:  # noqa: S310 (http://127.0.0.1)
+                    pool = json.load(response)["kv_pool"]
+                self.kv_total, used = pool["total_bytes"], pool["used_bytes"]
+                self.kv_peak_used = max(self.kv_peak_used, used)
+        self.peak_rss = max(self.peak_rss, rss / 2**20)
+        self.samples.append((time.time(), rss / 2**20, used))
+
+    async def run(self, stop: asyncio.Event, every_s: float = 0.5) -> None:
+        while not stop.is_set():
+            await asyncio.to_thread(self.sample)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), every_s)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def config_settings(servers: str, name: str, args: Any) -> Settings:
+    run = uuid.uuid4().hex[:8]
+    return load_settings(
+        kafka_bootstrap_servers=servers, consumer_group=f"load-{name}-{run}",
+        topic_complaints=f"load{run}.complaints", topic_meeting_notes=f"load{run}.notes", topic_filings=f"load{run}.filings",
+        topic_analysis=f"load{run}.analysis", topic_dead_letters=f"load{run}.dlq",
+        status_port=_free_port(), kv_cache_bytes=args.kv_pool_mib * 2**20, max_batch_size=args.max_batch,
+        model_path=args.model, max_document_chars=args.max_document_chars, **CONFIGS[name][1],
+    )  # fmt: skip
+
+
+@contextlib.contextmanager
+def worker(settings: Settings, module: str, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """The worker process for one configuration; stopped with SIGTERM (then killed) on exit."""
+    with log.open("ab") as out:
+        proc = subprocess.Popen(  # noqa: S603 (this interpreter, our module)
+            [sys.executable, "-m", module, *(["run"] if module == "pipeline" else [])],
+            cwd=ROOT, env=common.worker_env(settings), stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            yield proc
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+async def send_level(
+    sender: Sender, arrivals: list[Any], level: int, on_sent: Any, proc: subprocess.Popen[bytes]
+) -> list[Sent]:
+    start, acks = time.perf_counter(), []
+    for arrival in arrivals:
+        await asyncio.sleep(max(0.0, start + arrival.at_s - time.perf_counter()))
+        if proc.poll() is not None:
+            raise RuntimeError(f"the worker exited with {proc.returncode} (see its log)")
+        acks.append(await sender.send(arrival.doc, arrival.department, level))
+        on_sent()
+    return list(await asyncio.gather(*acks))
+
+
+def warm_up_docs(corpus: list[CorpusDoc]) -> list[CorpusDoc]:
+    """The shortest document of each kind and language."""
+    shortest: dict[tuple[str, str], CorpusDoc] = {}
+    for d in sorted(corpus, key=lambda d: len(d.text)):
+        shortest.setdefault((d.kind.value, d.language.value), d)
+    return list(shortest.values())
+
+
+def burst_docs(corpus: list[CorpusDoc], n: int) -> list[CorpusDoc]:
+    """n documents of different lengths, short to long: evenly spaced through the corpus by length."""
+    by_length = sorted(corpus, key=lambda d: len(d.text))
+    return [by_length[round(i * (len(by_length) - 1) / max(n - 1, 1))] for i in range(n)]
+
+
+async def run_config(
+    name: str,
+    servers: str,
+    args: Any,
+    corpus: list[CorpusDoc],
+    progress: Progress,
+    out_dir: Path,
+    rates: list[float],
+) -> tuple[dict[str, Any], list[Level], list[Sent], dict[str, Any] | None, tuple[int, int]]:
+    settings = config_settings(servers, name, args)
+    await ensure_topics(settings)
+    producer = AIOKafkaProducer(**client_options(settings), acks="all", linger_ms=2, enable_idempotence=False)
+    await producer.start()
+    collector, stop = Collector(settings), asyncio.Event()
+    tasks = [asyncio.create_task(collector.run(stop))]
+    task = progress.add_task(f"{name}: starting", total=None)
+    levels: list[Level] = []
+    docs: list[Sent] = []
+    burst = None
+    try:
+        with worker(settings, args.worker, out_dir / f"worker-{name}.log") as proc:
+            url = None if args.worker != "pipeline" else f"http://127.0.0.1:{settings.status_port}/api/status"
+            watch = Watch(proc.pid, url)
+            tasks.append(asyncio.create_task(watch.run(stop)))
+            sender = Sender(settings, producer, name)
+            # Unmeasured: model load, self-test, and one grammar compile per kind and language.
+            warm = [await (await sender.send(d, "warm-up", -1)) for d in warm_up_docs(corpus)]
+            while not all(collector.resolve(w) for w in warm):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name}: the worker exited with {proc.returncode} before answering")
+                await asyncio.sleep(0.5)
+            for rate in rates:
+                level = args.rates.index(rate)
+                arrivals = schedule(rate, args.level_s, corpus, seed=1000 + level, min_count=args.min_docs)
+                window = max(args.level_s, arrivals[-1].at_s)
+                progress.update(
+                    task, description=f"{name}: {rate:g} docs/min", total=len(arrivals), completed=0
+                )
+                sent = await send_level(sender, arrivals, level, lambda: progress.advance(task), proc)
+                progress.update(task, description=f"{name}: {rate:g} docs/min, draining")
+                await drain(collector, sent, args.deadline_s)
+                docs += sent
+                levels.append(summarise(name, level, rate, window, sent, args.deadline_s, args.slo_s))
+                if not levels[-1].stable:
+                    break
+            if name in args.burst_configs:
+                progress.update(
+                    task, description=f"{name}: burst of {args.burst}", total=args.burst, completed=0
+                )
+                start_ms = int(time.time() * 1000)
+                acks = [
+                    await sender.send(d, "burst", len(args.rates)) for d in burst_docs(corpus, args.burst)
+                ]
+                sent = list(await asyncio.gather(*acks))
+                await drain(
+                    collector, sent, args.deadline_s * 3, lambda n: progress.update(task, completed=n)
+                )
+                docs += sent
+                burst = burst_summary(name, sent, start_ms, args.deadline_s * 3)
+            progress.update(task, description=f"{name}: done")
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await producer.stop()
+    for s in docs:
+        collector.resolve(s)  # late answers, for the record
+    info = {
+        "name": name, "label": CONFIGS[name][0], "settings": {k: str(v) for k, v in CONFIGS[name][1].items()},
+        "peak_rss_mib": watch.peak_rss, "kv_total_mib": watch.kv_total / 2**20 if watch.kv_total else None,
+        "kv_peak_used_mib": watch.kv_peak_used / 2**20 if watch.kv_total else None,
+    }  # fmt: skip
+    return info, levels, docs, burst, (collector.duplicates, collector.unparseable)
+
+
+def burst_summary(name: str, sent: list[Sent], start_ms: int, deadline_s: float) -> dict[str, Any]:
+    done = sorted(s.answered_ms for s in sent if outcome(s, deadline_s) == "answered" and s.answered_ms)
+    return {
+        "config": name, "label": CONFIGS[name][0], "sent": len(sent), "answered": len(done),
+        "first_s": (done[0] - start_ms) / 1000 if done else None, "last_s": (done[-1] - start_ms) / 1000 if done else None,
+        "mean_interval_s": (done[-1] - start_ms) / 1000 / len(done) if done else None,
+    }  # fmt: skip
+
+
+def machine(args: Any, broker: str) -> dict[str, Any]:
+    cpu = platform.processor() or "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    device = "no GPU"
+    if args.worker == "pipeline":
+        import torch
+
+        device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU (CPU inference)"
+    settings = load_settings()
+    model = "instant analyser (no model)" if args.worker != "pipeline" else str(args.model)
+    return {"cpus": os.cpu_count(), "cpu_model": cpu, "memory_gib": psutil.virtual_memory().total / 2**30,
+            "device": device, "model": model, "dtype": settings.dtype, "broker": broker, "platform": platform.platform()}  # fmt: skip
+
+
+def _json_safe(value: Any) -> Any:
+    """Strict JSON: an infinite percentile (timed out) becomes "inf", a missing one null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else "inf"
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+async def main_async(args: Any, console: Console) -> tuple[dict[str, Any], list[Level]]:
+    corpus = load_corpus()
+    started, t0 = dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), time.perf_counter()
+    external = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+    with contextlib.ExitStack() as stack:
+        servers = external or stack.enter_context(embedded_broker()).bootstrap_servers
+        broker = f"Kafka at {external}" if external else "embedded Tansu broker (in memory)"
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        results = []
+        with Progress(*columns, console=console) as progress:
+            rates = args.rates
+            for name in args.configs:
+                results.append(await run_config(name, servers, args, corpus, progress, args.out_dir, rates))
+                held = max_stable(results[-1][1])
+                if args.skip and held is not None:
+                    rates = [r for r in args.rates if r >= held.offered_per_min]
+    configs = [r[0] for r in results]
+    levels = [lv for r in results for lv in r[1]]
+    docs = [d for r in results for d in r[2]]
+    kinds = [outcome(d, args.deadline_s * (3 if d.department == "burst" else 1)) for d in docs]
+    timed_out = [d for d, k in zip(docs, kinds, strict=True) if k == "timed_out"]
+    payload = {
+        "profile": args.profile, "started": started, "wall_s": time.perf_counter() - t0,
+        "machine": machine(args, broker), "departments": list(DEPARTMENTS), "corpus_docs": len(corpus),
+        "rates_per_min": args.rates, "level_s": args.level_s, "min_docs": args.min_docs, "skip_held_loads": args.skip, "deadline_s": args.deadline_s, "slo_s": args.slo_s,
+        "kv_pool_mib": args.kv_pool_mib, "max_batch_size": args.max_batch, "configs": configs,
+        "levels": [asdict(lv) | {"failure_rate": lv.failure_rate} for lv in levels],
+        "max_stable": {c["name"]: asdict(s) if (s := max_stable([lv for lv in levels if lv.config == c["name"]])) else None for c in configs},
+        "bursts": [r[3] for r in results if r[3] is not None],
+        "accounting": {
+            "sent": len(docs), "answered": kinds.count("answered"), "dead_letters": kinds.count("dead_letter"),
+            "timed_out": len(timed_out), "late": sum(d.answer is not None for d in timed_out),
+            "never": sum(d.answer is None for d in timed_out),
+            "duplicates": sum(r[4][0] for r in results), "unparseable": sum(r[4][1] for r in results),
+        },
+        "documents": [asdict(d) | {"latency_s": d.latency_s} for d in docs],
+    }  # fmt: skip
+    return payload, levels
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = common.parser(__doc__)
+    parser.add_argument("--profile", choices=list(PROFILES), default="quick")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated: " + ", ".join(CONFIGS))
+    parser.add_argument(
+        "--rates", type=float, nargs="+", help="offered loads, documents/min (profile default)"
+    )
+    parser.add_argument("--level-s", type=float, help="seconds of arrivals per level (profile default)")
+    parser.add_argument("--min-docs", type=int, help="documents per level at least (profile default)")
+    parser.add_argument(
+        "--skip-held-loads", dest="skip", action=argparse.BooleanOptionalAction, default=None,
+        help="start each configuration at the previous one's highest stable load (profile default)",
+    )  # fmt: skip
+    parser.add_argument("--burst", type=int, default=15, help="documents in the one-sender burst")
+    parser.add_argument("--burst-configs", help="configurations that run the burst (profile default)")
+    parser.add_argument("--deadline-s", type=float, default=60.0, help="unanswered after this: failed")
+    parser.add_argument(
+        "--slo-s", type=float, default=45.0, help="a level is stable while P95 latency <= this"
+    )
+    parser.add_argument("--kv-pool-mib", type=int, default=128, help="KV_CACHE_BYTES for every configuration")
+    parser.add_argument("--max-batch", type=int, default=16, help="MAX_BATCH_SIZE")
+    parser.add_argument("--max-document-chars", type=int, default=8_000, help="MAX_DOCUMENT_CHARS")
+    parser.add_argument(
+        "--worker", default="pipeline", help="worker module: pipeline (the real one) or a stand-in"
+    )
+    parser.add_argument("--out-dir", type=Path, default=Path("bench/results/load"))
+    args = parser.parse_args(argv)
+    profile = PROFILES[args.profile]
+    args.configs = args.configs.split(",")
+    if unknown := set(args.configs) - CONFIGS.keys():
+        parser.error(f"unknown configurations: {', '.join(sorted(unknown))}")
+    args.rates = sorted(args.rates or profile["rates"])
+    args.level_s = args.level_s or profile["level_s"]
+    args.min_docs = args.min_docs if args.min_docs is not None else profile["min_docs"]
+    args.skip = args.skip if args.skip is not None else profile["skip"]
+    args.burst_configs = args.burst_configs.split(",") if args.burst_configs is not None else profile["burst"]
+    if args.worker == "pipeline":
+        args.model = common.model_path(args.model)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    console = Console(width=140)
+    payload, levels = asyncio.run(main_async(args, console))
+    (args.out_dir / "load.json").write_text(
+        json.dumps(_json_safe(payload), indent=1, allow_nan=False, default=str)
+    )
+    labels = {c["name"]: c["label"] for c in payload["configs"]}
+    plots = plot(levels, labels, args.slo_s, args.deadline_s, args.out_dir)
+    report = markdown(payload, levels, plots)
+    (args.out_dir / "load-report.md").write_text(report, encoding="utf-8")
+    console.print(report)
+    console.print(f"wrote {args.out_dir}/load-report.md, load.json, {', '.join(plots)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

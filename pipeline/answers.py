@@ -1,0 +1,162 @@
+"""What the web front end knows of the answer topics: every analysis event and dead letter as it
+lands, for the page waiting on its own document and for the live triage board.
+
+One consumer without a group reads both answer topics (every worker's answers, whichever worker
+produced them) from the beginning of the last hour where the broker can seek by time, else from
+the beginning. Each answer gets a sequence number, the server-sent event id, so a reconnecting
+client asks for what it missed (`Last-Event-ID`). It starts reading when a page first needs it.
+The most recent answers stay in memory (bounded) for replay and for a waiter that asks after its
+answer already arrived.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from aiokafka import AIOKafkaConsumer
+from aiokafka.errors import KafkaError
+from aiokafka.structs import TopicPartition
+
+from pipeline.client import Answer, parse_answer
+from pipeline.kafka import client_options
+from pipeline.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Delivered:
+    seq: int  # the server-sent event id: rising, per process
+    event_id: str
+    kind: str  # "analysis" | "dead_letter"
+    json: str  # the record's value as published
+
+
+class AnswerHub:
+    def __init__(self, settings: Settings, keep: int = 2_000, history_s: float = 3_600.0) -> None:
+        self.settings = settings
+        self.history_s = history_s
+        self.recent: deque[Delivered] = deque(maxlen=keep)
+        self._by_event: OrderedDict[str, Delivered] = OrderedDict()
+        self._keep = keep
+        self._seq = 0
+        self._changed = asyncio.Condition()
+        self.connected = False  # the consumer has its partitions and is reading
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def ensure_running(self) -> None:
+        """Starts reading on first demand: a worker nobody browses spends nothing on its pages."""
+        if self._task is None:
+            self._task = asyncio.create_task(self.run(self._stop))
+
+    async def close(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            await self._task
+
+    def find(self, event_id: str) -> Delivered | None:
+        return self._by_event.get(event_id)
+
+    async def wait_for(self, event_id: str, timeout_s: float) -> Delivered | None:
+        """The answer to `event_id` once it lands (None after `timeout_s`)."""
+        self.ensure_running()
+        deadline = time.monotonic() + timeout_s
+        async with self._changed:
+            while (found := self.find(event_id)) is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), left)
+            return found
+
+    async def follow(
+        self, after: int | None, replay: int, heartbeat_s: float = 15.0
+    ) -> AsyncIterator[Delivered | None]:
+        """Answers with a sequence number above `after` (or the last `replay` ones), then each new
+        one as it lands; None after `heartbeat_s` without any (time for a keep-alive)."""
+        self.ensure_running()
+        if after is None:  # sequence numbers are contiguous: the last `replay` are above this
+            after = max(0, self._seq - replay)
+        elif after > self._seq:  # a client of an earlier process: its ids mean nothing here
+            after = 0
+        while True:
+            pending = [d for d in self.recent if d.seq > after]
+            for item in pending:
+                yield item
+                after = item.seq
+            if pending:
+                continue
+            async with self._changed:
+                if self._seq <= after:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._changed.wait(), heartbeat_s)
+            if self._seq <= after:
+                yield None
+
+    async def _add(self, answer: Answer, value: bytes) -> None:
+        if answer.event_id in self._by_event:  # a redelivery answers again under the same id
+            return
+        kind = "dead_letter" if hasattr(answer, "error_type") else "analysis"
+        async with self._changed:
+            self._seq += 1
+            item = Delivered(self._seq, answer.event_id, kind, value.decode("utf-8"))
+            self.recent.append(item)
+            self._by_event[answer.event_id] = item
+            while len(self._by_event) > self._keep:
+                self._by_event.popitem(last=False)
+            self._changed.notify_all()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Reads until `stop`; reconnects by itself when the broker goes away."""
+        while not stop.is_set():
+            consumer = AIOKafkaConsumer(
+                **client_options(self.settings),
+                group_id=None,
+                enable_auto_commit=False,
+                auto_offset_reset="earliest",
+                fetch_max_wait_ms=100,
+            )
+            try:
+                await consumer.start()
+                await self._assign(consumer)
+                self.connected = True
+                while not stop.is_set():
+                    batch = await consumer.getmany(timeout_ms=200, max_records=500)
+                    for tp, records in batch.items():
+                        for record in records:
+                            answer = parse_answer(tp.topic, record.value or b"", self.settings)
+                            if answer is not None:
+                                await self._add(answer, record.value or b"")
+            except (KafkaError, OSError, LookupError) as exc:
+                self.connected = False
+                log.warning("answer topics unreadable (%s); retrying", type(exc).__name__)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 2.0)
+            finally:
+                self.connected = False
+                with contextlib.suppress(Exception):
+                    await consumer.stop()
+
+    async def _assign(self, consumer: AIOKafkaConsumer) -> None:
+        await consumer.topics()  # refreshes the metadata
+        parts = []
+        for topic in (self.settings.topic_analysis, self.settings.topic_dead_letters):
+            found = consumer.partitions_for_topic(topic)
+            if not found:
+                raise LookupError(f"topic {topic} does not exist yet")
+            parts += [TopicPartition(topic, p) for p in sorted(found)]
+        consumer.assign(parts)
+        await consumer.seek_to_beginning(*parts)
+        since_ms = int((time.time() - self.history_s) * 1000)
+        with contextlib.suppress(KafkaError, ValueError, TypeError):  # brokers that cannot seek by time
+            for tp, found in (await consumer.offsets_for_times({tp: since_ms for tp in parts})).items():
+                if found is not None:
+                    consumer.seek(tp, found.offset)

@@ -1,0 +1,219 @@
+"""The front end's API and pages: `POST /api/analyze`, `GET /api/events`, `/` and `/triage`.
+
+Everything goes through the real path: the document is published to its input topic like any
+other producer's, a worker analyses it, and the answer is read back from the answer topics
+(`AnswerHub`), so the page shows exactly what downstream consumers get. The pages are static files
+in `pipeline/web/`, served from here: nothing is fetched from the internet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
+from fastapi import APIRouter, Header, Query
+from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field
+
+from pipeline.answers import AnswerHub, Delivered
+from pipeline.codec import encode_document
+from pipeline.kafka import client_options
+from pipeline.settings import Settings
+from schemas import AnalysisEvent, DocumentEvent, DocumentKind, Language, event_id_for
+from schemas.events import NonEmptyStr
+
+STATIC = Path(str(resources.files("pipeline") / "web"))
+
+
+class AnalyzeRequest(BaseModel):
+    text: NonEmptyStr = Field(description="The document. Longer than MAX_DOCUMENT_CHARS: 413.")
+    kind: DocumentKind = DocumentKind.COMPLAINT
+    language: Language | None = Field(default=None, description="Detected from the text when absent.")
+    wait: bool = Field(default=True, description="Wait for the analysis (200), or return at once (202).")
+    timeout_s: float = Field(default=120.0, ge=1, le=900, description="How long to wait before 504.")
+
+
+class Accepted(BaseModel):
+    event_id: str = Field(description="The answer's id: follow it with GET /api/events?event_id=...")
+    document_id: str
+    topic: str
+    partition: int
+    offset: int
+
+
+class ErrorBody(BaseModel):
+    error: Literal["too_long", "broker_unavailable", "timeout", "analysis_failed"]
+    detail: str
+    event_id: str | None = None
+    reason: str | None = None
+
+
+class Unparsable(BaseModel):
+    detail: str
+
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": Unparsable, "description": "The body is not JSON."},
+    413: {"model": ErrorBody, "description": "The document is longer than MAX_DOCUMENT_CHARS."},
+    502: {"model": ErrorBody, "description": "The document was dead-lettered (e.g. the model failed)."},
+    503: {"model": ErrorBody, "description": "The broker cannot be reached; nothing was published."},
+    504: {"model": ErrorBody, "description": "No answer within timeout_s; it may still come on /api/events."},
+}
+
+
+def _error(status: int, error: str, detail: str, **extra: str | None) -> JSONResponse:
+    body = ErrorBody(error=error, detail=detail, **extra)  # type: ignore[arg-type]
+    return JSONResponse(body.model_dump(exclude_none=True), status_code=status)
+
+
+class Front:
+    """The producer the pages publish with (started on first use) and the answer hub."""
+
+    def __init__(self, settings: Settings, hub: AnswerHub, send_timeout_s: float = 10.0) -> None:
+        self.settings, self.hub, self.send_timeout_s = settings, hub, send_timeout_s
+        self._producer: AIOKafkaProducer | None = None
+        self._lock = asyncio.Lock()
+
+    async def producer(self) -> AIOKafkaProducer:
+        async with self._lock:
+            if self._producer is None:
+                producer = AIOKafkaProducer(
+                    **client_options(self.settings),
+                    acks="all",
+                    enable_idempotence=False,
+                    request_timeout_ms=int(self.send_timeout_s * 1000),
+                )
+                try:
+                    await asyncio.wait_for(producer.start(), self.send_timeout_s)
+                except BaseException:
+                    await producer.stop()
+                    raise
+                self._producer = producer
+            return self._producer
+
+    async def publish(self, request: AnalyzeRequest) -> Accepted:
+        document = DocumentEvent(
+            document_id=f"web-{uuid.uuid4().hex[:12]}",
+            kind=request.kind,
+            text=request.text,
+            language=request.language,
+            source_system="web",
+        )
+        value, headers = encode_document(document)
+        topic = self.settings.topic_for(request.kind)
+        producer = await self.producer()
+        meta = await asyncio.wait_for(
+            producer.send_and_wait(topic, value, key=(document.document_id or "").encode(), headers=headers),
+            self.send_timeout_s,
+        )
+        return Accepted(
+            event_id=event_id_for(topic, meta.partition, meta.offset),
+            document_id=document.document_id or "",
+            topic=topic,
+            partition=meta.partition,
+            offset=meta.offset,
+        )
+
+    async def close(self) -> None:
+        if self._producer is not None:
+            await self._producer.stop()
+
+
+def _sse(item: Delivered) -> bytes:
+    return f"id: {item.seq}\nevent: {item.kind}\ndata: {item.json}\n\n".encode()
+
+
+def router(front: Front) -> APIRouter:
+    api = APIRouter()
+    max_chars = front.settings.max_document_chars
+
+    @api.post("/api/analyze", response_model=AnalysisEvent, responses={202: {"model": Accepted}, **ERRORS})
+    async def analyze(request: AnalyzeRequest) -> Any:
+        """Publishes the document to its input topic and returns its analysis event as it lands."""
+        if len(request.text) > max_chars:
+            return _error(
+                413, "too_long", f"the document has {len(request.text)} characters; the limit is {max_chars}"
+            )
+        try:
+            accepted = await front.publish(request)
+        except (KafkaError, OSError, TimeoutError) as exc:
+            return _error(
+                503,
+                "broker_unavailable",
+                f"could not publish to {front.settings.kafka_bootstrap_servers}: {type(exc).__name__}",
+            )
+        if not request.wait:
+            return JSONResponse(accepted.model_dump(), status_code=202)
+        found = await front.hub.wait_for(accepted.event_id, request.timeout_s)
+        if found is None:
+            return _error(
+                504,
+                "timeout",
+                f"no answer within {request.timeout_s:g} s; it may still arrive on "
+                f"/api/events?event_id={accepted.event_id}",
+                event_id=accepted.event_id,
+            )
+        if found.kind == "dead_letter":
+            letter = json_of(found)
+            return _error(
+                502,
+                "analysis_failed",
+                str(letter.get("error_message", "")),
+                event_id=accepted.event_id,
+                reason=str(letter.get("error_type")),
+            )
+        return JSONResponse(json_of(found))
+
+    @api.get(
+        "/api/events",
+        response_class=StreamingResponse,
+        responses={200: {"content": {"text/event-stream": {}}, "description": "Server-sent events."}},
+    )
+    async def events(
+        event_id: Annotated[str | None, Query(description="Only this answer, then the stream ends.")] = None,
+        replay: Annotated[int, Query(ge=0, le=2_000, description="Recent answers to send first.")] = 0,
+        last_event_id: Annotated[str | None, Header(description="Set by EventSource on reconnect.")] = None,
+    ) -> StreamingResponse:
+        """Analysis events (`event: analysis`) and dead letters (`event: dead_letter`) as they land."""
+        after = int(last_event_id) if last_event_id and last_event_id.isdigit() else None
+
+        async def stream() -> AsyncIterator[bytes]:
+            yield b"retry: 2000\n\n"
+            if event_id is not None:
+                while (found := await front.hub.wait_for(event_id, 15.0)) is None:
+                    yield b": waiting\n\n"  # keeps proxies from closing an idle stream
+                yield _sse(found)
+                return
+            async for item in front.hub.follow(after, replay):
+                yield b": heartbeat\n\n" if item is None else _sse(item)
+
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return StreamingResponse(stream(), media_type="text/event-stream", headers=headers)
+
+    @api.get("/", include_in_schema=False)
+    async def page() -> FileResponse:
+        return FileResponse(STATIC / "index.html")
+
+    @api.get("/triage", include_in_schema=False)
+    async def triage() -> FileResponse:
+        return FileResponse(STATIC / "triage.html")
+
+    @api.get("/api/limits")
+    async def limits() -> dict[str, int]:
+        """What the page checks before sending."""
+        return {"max_document_chars": max_chars}
+
+    return api
+
+
+def json_of(item: Delivered) -> dict[str, Any]:
+    import json
+
+    value: dict[str, Any] = json.loads(item.json)
+    return value

@@ -1,0 +1,115 @@
+// The analyse page: publish through POST /api/analyze (wait=false), then follow the answer on
+// /api/events?event_id=... as it lands. Model text is only ever set as textContent.
+"use strict";
+const $ = (id) => document.getElementById(id);
+let maxChars = 8000;
+let timer = null;
+
+function detectLanguage(text) {  // the server's rule: one CJK character ~ one word ~ five Latin letters
+  const cjk = (text.match(/[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]/g) || []).length;
+  const latin = (text.match(/[A-Za-z]/g) || []).length;
+  if (!text.trim()) return "—";
+  return cjk > 0 && cjk * 5 >= latin ? "中文 · Chinese" : "英文 · English";
+}
+
+function updateInput() {
+  const text = $("text").value;
+  $("language").textContent = detectLanguage(text);
+  const over = text.length > maxChars;
+  $("count").textContent = `${text.length} / ${maxChars} 字符 · characters` + (over ? " — 超出上限 · too long" : "");
+  $("count").style.color = over ? "var(--bad)" : "";
+}
+
+function showError(message) {
+  $("error").textContent = message;
+  $("error").hidden = false;
+}
+
+function setBusy(busy, label) {
+  $("analyze").disabled = busy;
+  clearInterval(timer);
+  if (!busy) { $("status").textContent = label || ""; return; }
+  const started = Date.now();
+  const tick = () => {
+    const s = ((Date.now() - started) / 1000).toFixed(0);
+    $("status").replaceChildren(Object.assign(document.createElement("span"), { className: "spinner" }),
+      `${label}（${s} 秒 · s）`);
+  };
+  tick();
+  timer = setInterval(tick, 1000);
+}
+
+function fillList(id, items) {
+  $(id).replaceChildren(...(items.length ? items : ["—"]).map((t) => Object.assign(document.createElement("li"), { textContent: t })));
+}
+
+const POLARITY = { positive: "积极 · positive", neutral: "中性 · neutral", negative: "消极 · negative" };
+const URGENCY = { critical: "紧急 · critical", high: "高 · high", medium: "中 · medium", low: "低 · low" };
+
+function render(event) {
+  const a = event.analysis;
+  $("viewpoint").textContent = a.core_viewpoint;
+  $("viewpoint").classList.remove("placeholder");
+  fillList("facts", a.key_information.facts);
+  fillList("data", a.key_information.data);
+  fillList("conclusions", a.key_information.conclusions);
+  const s = a.sentiment;
+  const badge = Object.assign(document.createElement("span"), { className: `badge polarity-${s.polarity}`, textContent: POLARITY[s.polarity] || s.polarity });
+  $("sentiment").replaceChildren(badge, ` 质疑 · doubt: ${s.implies_doubt ? "是 · yes" : "否 · no"}；期待 · expectation: ${s.implies_expectation ? "是 · yes" : "否 · no"}`);
+  $("rationale").textContent = s.rationale;
+  $("triage-block").hidden = !a.triage;
+  if (a.triage) {
+    const t = a.triage;
+    const u = Object.assign(document.createElement("span"), { className: `badge urgency-${t.urgency}`, textContent: URGENCY[t.urgency] || t.urgency });
+    $("triage").replaceChildren(u, ` 类别 · category: ${t.category}`, t.escalate ? " — 需升级 · escalate" : "");
+  }
+  const tm = event.timings;
+  const rows = [["排队 · queued", `${(tm.queued_ms / 1000).toFixed(2)} s`], ["首个 token · first token", `${(tm.time_to_first_token_ms / 1000).toFixed(2)} s`],
+    ["总计 · total", `${(tm.total_ms / 1000).toFixed(2)} s`], ["tokens", `${tm.prompt_tokens} → ${tm.output_tokens}`], ["模型 · model", event.model]];
+  $("timings").replaceChildren(...rows.flatMap(([k, v]) => [Object.assign(document.createElement("dt"), { textContent: k }),
+    Object.assign(document.createElement("dd"), { textContent: v })]));
+  $("result").focus();
+}
+
+const MESSAGES = {
+  413: "文档过长 · The document is too long",
+  503: "消息总线不可用 · The broker is unavailable",
+  504: "等待超时 · Timed out waiting",
+  422: "输入无效 · Invalid input",
+};
+
+async function analyze(event) {
+  event.preventDefault();
+  $("error").hidden = true;
+  const text = $("text").value;
+  if (!text.trim()) { showError("请先粘贴文本 · Paste a document first"); $("text").focus(); return; }
+  if (text.length > maxChars) { showError(`${MESSAGES[413]}: ${text.length} > ${maxChars}`); return; }
+  setBusy(true, "正在发布到 Kafka · Publishing to Kafka");
+  let response;
+  try {
+    response = await fetch("/api/analyze", { method: "POST", headers: { "content-type": "application/json" },
+      body: JSON.stringify({ text, kind: $("kind").value, wait: false }) });
+  } catch (err) {
+    setBusy(false); showError("无法连接服务 · Cannot reach the service"); return;
+  }
+  if (response.status !== 202) {
+    const body = await response.json().catch(() => ({}));
+    const detail = typeof body.detail === "string" ? body.detail : JSON.stringify(body.detail || body);
+    setBusy(false); showError(`${MESSAGES[response.status] || `错误 · Error ${response.status}`}: ${detail}`); return;
+  }
+  const accepted = await response.json();
+  setBusy(true, `已进入队列，正在分析 · Queued on ${accepted.topic}[${accepted.partition}]@${accepted.offset}, analysing`);
+  const source = new EventSource(`/api/events?event_id=${encodeURIComponent(accepted.event_id)}`);
+  source.addEventListener("analysis", (e) => { source.close(); setBusy(false, "完成 · Done"); render(JSON.parse(e.data)); });
+  source.addEventListener("dead_letter", (e) => {
+    source.close(); const d = JSON.parse(e.data);
+    setBusy(false); showError(`分析失败 · Analysis failed (${d.error_type}): ${d.error_message}`);
+  });
+  source.onerror = () => { if (source.readyState === EventSource.CONNECTING) setBusy(true, "重新连接中 · Reconnecting"); };
+}
+
+$("form").addEventListener("submit", analyze);
+$("text").addEventListener("input", updateInput);
+$("text").addEventListener("keydown", (e) => { if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) $("form").requestSubmit(); });
+fetch("/api/limits").then((r) => r.json()).then((l) => { maxChars = l.max_document_chars; updateInput(); }).catch(() => {});
+updateInput();

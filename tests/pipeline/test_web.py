@@ -1,0 +1,211 @@
+"""The front end's API over the real path: POST /api/analyze publishes to the session's Kafka, a
+service with the scripted stand-in engine answers (these tests are about the HTTP contract, not
+the model), and the answer is read back from the answer topics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pipeline.answers import AnswerHub
+from pipeline.http import serve_status
+from pipeline.kafka import ensure_topics
+from pipeline.service import Service, running
+from pipeline.settings import Settings
+from pipeline.telemetry import Telemetry
+from pipeline.web import Front, router
+from schemas import AnalysisEvent
+from tests.pipeline.fakes import ScriptedEngine
+
+pytestmark = pytest.mark.integration
+
+
+@contextlib.asynccontextmanager
+async def front_end(settings: Settings, telemetry: Telemetry, *, worker: bool = True) -> AsyncIterator[str]:
+    """The HTTP server with the pages' router, and (unless `worker` is False) a service answering."""
+    hub = AnswerHub(settings)
+    front = Front(settings, hub, send_timeout_s=3.0)
+    service = Service(settings, ScriptedEngine(delay_s=0.05), telemetry)
+    stop = asyncio.Event()
+    async with contextlib.AsyncExitStack() as stack:
+        if worker:
+            await stack.enter_async_context(running(service, stop))
+        else:
+            await ensure_topics(settings)
+        port = await stack.enter_async_context(
+            serve_status(service.status, "127.0.0.1", 0, None, router(front))
+        )
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            await hub.close()
+            await front.close()
+
+
+async def test_analyze_publishes_and_returns_the_analysis_event_from_the_answer_topic(
+    settings: Settings, telemetry: Telemetry
+) -> None:
+    async with front_end(settings, telemetry) as url, httpx.AsyncClient(timeout=60) as client:
+        response = await client.post(
+            f"{url}/api/analyze", json={"text": "快递晚到了五天，客服不回复。", "kind": "complaint"}
+        )
+        assert response.status_code == 200, response.text
+        event = AnalysisEvent.model_validate(response.json())
+        assert event.source.topic == settings.topic_complaints
+        assert event.language.value == "zh" and event.analysis.triage is not None
+        assert event.document_id.startswith("web-")
+
+
+async def test_an_accepted_document_is_followed_on_the_event_stream_and_replayed_after_reconnect(
+    settings: Settings, telemetry: Telemetry
+) -> None:
+    async with front_end(settings, telemetry) as url, httpx.AsyncClient(timeout=60) as client:
+        accepted = await client.post(
+            f"{url}/api/analyze",
+            json={"text": "Minutes: ship on Friday.", "kind": "meeting_notes", "wait": False},
+        )
+        assert accepted.status_code == 202
+        event_id = accepted.json()["event_id"]
+        own = await _events(client, f"{url}/api/events?event_id={event_id}", 1)
+        assert [(kind, data["event_id"]) for _, kind, data in own] == [("analysis", event_id)]
+        second = await client.post(
+            f"{url}/api/analyze", json={"text": "Refund me. MODEL-FAIL", "wait": False}
+        )
+        letter = await _events(client, f"{url}/api/events?event_id={second.json()['event_id']}", 1)
+        assert letter[0][1] == "dead_letter"
+        # A board that saw the first answer reconnects with Last-Event-ID: it gets only what followed.
+        replayed = await _events(client, f"{url}/api/events?replay=10", 2)
+        assert [data["event_id"] for _, _, data in replayed] == [event_id, second.json()["event_id"]]
+        after_first = await _events(client, f"{url}/api/events", 1, headers={"Last-Event-ID": replayed[0][0]})
+        assert [data["event_id"] for _, _, data in after_first] == [second.json()["event_id"]]
+
+
+async def test_a_dead_lettered_document_is_a_502_with_the_reason(
+    settings: Settings, telemetry: Telemetry
+) -> None:
+    async with front_end(settings, telemetry) as url, httpx.AsyncClient(timeout=60) as client:
+        response = await client.post(f"{url}/api/analyze", json={"text": "The model breaks here: MODEL-FAIL"})
+    assert response.status_code == 502
+    body = response.json()
+    assert (
+        body["error"] == "analysis_failed" and body["reason"] == "model_output_invalid" and body["event_id"]
+    )
+
+
+async def test_too_long_input_is_a_413_and_nothing_is_published(
+    settings: Settings, telemetry: Telemetry
+) -> None:
+    async with front_end(settings, telemetry) as url, httpx.AsyncClient(timeout=60) as client:
+        response = await client.post(
+            f"{url}/api/analyze", json={"text": "长" * (settings.max_document_chars + 1)}
+        )
+        assert response.status_code == 413
+        body = response.json()
+        assert body["error"] == "too_long" and str(settings.max_document_chars) in body["detail"]
+        replay = await _events(client, f"{url}/api/events?replay=10", 0, wait_s=1.0)
+    assert replay == []
+
+
+async def test_no_answer_within_the_timeout_is_a_504_naming_the_event_to_follow(
+    settings: Settings, telemetry: Telemetry
+) -> None:
+    async with front_end(settings, telemetry, worker=False) as url, httpx.AsyncClient(timeout=60) as client:
+        response = await client.post(
+            f"{url}/api/analyze", json={"text": "Nobody is consuming.", "timeout_s": 1.0}
+        )
+    assert response.status_code == 504
+    body = response.json()
+    assert body["error"] == "timeout" and body["event_id"] in body["detail"]
+
+
+async def test_a_broker_that_cannot_be_reached_is_a_503(settings: Settings, telemetry: Telemetry) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"  # nothing listens here once the socket closes
+    down = Settings(**{**settings.model_dump(), "kafka_bootstrap_servers": dead})
+    front = Front(down, AnswerHub(down), send_timeout_s=2.0)
+    app = serve_status(lambda: {}, "127.0.0.1", 0, None, router(front))
+    async with app as port, httpx.AsyncClient(timeout=30) as client:
+        response = await client.post(f"http://127.0.0.1:{port}/api/analyze", json={"text": "hello"})
+    await front.close()
+    assert response.status_code == 503
+    body = response.json()
+    assert body["error"] == "broker_unavailable" and dead in body["detail"]
+
+
+async def test_the_pages_and_their_assets_are_served_locally(
+    settings: Settings, telemetry: Telemetry
+) -> None:
+    async with front_end(settings, telemetry, worker=False) as url, httpx.AsyncClient(timeout=30) as client:
+        for path in ("/", "/triage", "/static/style.css", "/static/analyze.js", "/static/triage.js"):
+            response = await client.get(f"{url}{path}")
+            assert response.status_code == 200, path
+            assert "http://" not in response.text and "https://" not in response.text, (
+                path
+            )  # nothing external
+        page = (await client.get(f"{url}/")).text
+        assert "开始深度分析" in page and 'id="text"' in page and 'id="kind"' in page
+        schema = (await client.get(f"{url}/openapi.json")).json()
+    assert {"/api/analyze", "/api/events", "/api/status"} <= schema["paths"].keys()
+    assert {"200", "202", "413", "502", "503", "504"} <= schema["paths"]["/api/analyze"]["post"][
+        "responses"
+    ].keys()
+
+
+async def _events(
+    client: httpx.AsyncClient,
+    url: str,
+    count: int,
+    headers: dict[str, str] | None = None,
+    wait_s: float = 30.0,
+) -> list[tuple[str, str, dict[str, object]]]:
+    """The first `count` server-sent events of `url` as (id, event, data), within `wait_s`."""
+    found: list[tuple[str, str, dict[str, object]]] = []
+
+    async def read() -> None:
+        fields: dict[str, str] = {}
+        async with client.stream("GET", url, headers=headers) as response:
+            assert response.headers["content-type"].startswith("text/event-stream")
+            async for line in response.aiter_lines():
+                if line:
+                    name, _, value = line.partition(": ")
+                    fields[name] = value
+                    continue
+                if "data" in fields:
+                    found.append((fields["id"], fields["event"], json.loads(fields["data"])))
+                    if len(found) >= count:
+                        return
+                fields = {}
+
+    if count == 0:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(read(), wait_s)
+        return found
+    await asyncio.wait_for(read(), wait_s)
+    return found
+
+
+async def test_the_openapi_schema_holds_under_schemathesis(settings: Settings, telemetry: Telemetry) -> None:
+    """Schema-driven requests to every operation (the endless event stream aside: its own tests
+    above): no 5xx, and every response matches the schema in status, content type and body."""
+    checks = "not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance"
+    async with front_end(settings, telemetry) as url:
+        st = Path(sys.executable).with_name("st")
+        proc = await asyncio.create_subprocess_exec(
+            str(st), "run", f"{url}/openapi.json", "--checks", checks, "--exclude-path", "/api/events",
+            "--max-examples", "30", "--seed", "7", "--request-timeout", "60",
+            "--phases", "examples,coverage,fuzzing", "--no-color",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+        out, _ = await asyncio.wait_for(proc.communicate(), 600)
+    report = out.decode(errors="replace")
+    assert proc.returncode == 0, report[-4000:]
+    assert "4 selected / 5 total" in report  # all but the stream: analyze, limits, status, healthz
