@@ -228,25 +228,30 @@ def plot(
     import matplotlib.pyplot as plt
 
     names = []
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(8, 7))
     for i, (config, label) in enumerate(labels.items()):
         mine = [lv for lv in levels if lv.config == config]
         x = [lv.offered_per_min for lv in mine]
         for q, style in (("p50_s", ":"), ("p95_s", "-"), ("p99_s", "--")):
             y = [getattr(lv, q) if math.isfinite(getattr(lv, q)) else math.nan for lv in mine]
             ax.plot(x, y, style, marker="o", color=f"C{i}", label=f"{label} {q[:3].upper()}")
-        for lv in mine:  # timed-out percentiles have no finite value: mark them at the top
-            if not math.isfinite(lv.p95_s):
-                ax.annotate("P95 timed out", (lv.offered_per_min, slo_s), color=f"C{i}", fontsize=8)
+        lost = [lv.offered_per_min for lv in mine if not math.isfinite(lv.p95_s)]
+        if lost:  # a P95 past the deadline has no value: an x on the deadline line instead
+            ax.plot(lost, [deadline_s] * len(lost), "x", markersize=12, mew=2, color=f"C{i}",
+                    label=f"{label}: P95 past the deadline")  # fmt: skip
     ax.axhline(slo_s, color="grey", linewidth=0.8, label=f"SLO (P95 {slo_s:.0f} s)")
+    if deadline_s != slo_s:
+        ax.axhline(
+            deadline_s, color="black", linestyle=":", linewidth=0.8, label=f"deadline ({deadline_s:.0f} s)"
+        )
     ax.set(
         xlabel="offered load (documents/min)",
         ylabel="end-to-end latency (s)",
         title="Latency vs offered load",
     )
-    ax.set_xscale("log", base=2)
+    _load_axis(ax, levels)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncols=2)
+    ax.legend(fontsize=7, ncols=2, loc="upper center", bbox_to_anchor=(0.5, -0.14))
     fig.tight_layout()
     fig.savefig(out_dir / "latency-vs-load.png", dpi=110)
     names.append("latency-vs-load.png")

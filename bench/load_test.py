@@ -60,7 +60,7 @@ CONFIGS = {  # name -> (label, environment)
 # which configurations run the burst, and whether a configuration skips the loads below the
 # previous one's highest stable load (quick: they cost minutes and the previous one held them).
 PROFILES: dict[str, dict[str, Any]] = {
-    "quick": {"rates": [3.0, 6.0, 12.0, 24.0, 48.0], "level_s": 30.0, "min_docs": 3, "burst": ["dynamic"], "skip": True},
+    "quick": {"rates": [1.5, 3.0, 6.0, 12.0, 24.0], "level_s": 60.0, "min_docs": 4, "burst": ["dynamic"], "skip": True},
     "full": {"rates": [1.5, 3.0, 6.0, 12.0, 24.0, 48.0, 96.0], "level_s": 600.0, "min_docs": 10,
              "burst": list(CONFIGS), "skip": False},
 }  # fmt: skip
@@ -332,7 +332,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--burst-configs", help="configurations that run the burst (profile default)")
     parser.add_argument("--deadline-s", type=float, default=60.0, help="unanswered after this: failed")
     parser.add_argument(
-        "--slo-s", type=float, default=45.0, help="a level is stable while P95 latency <= this"
+        "--slo-s",
+        type=float,
+        default=60.0,
+        help="a level is stable while P95 latency <= this (default: the deadline, as one analysis alone takes 15-25 s on 2 cores)",
     )
     parser.add_argument("--kv-pool-mib", type=int, default=128, help="KV_CACHE_BYTES for every configuration")
     parser.add_argument("--max-batch", type=int, default=16, help="MAX_BATCH_SIZE")
@@ -341,7 +344,12 @@ def main(argv: list[str] | None = None) -> int:
         "--worker", default="pipeline", help="worker module: pipeline (the real one) or a stand-in"
     )
     parser.add_argument("--out-dir", type=Path, default=Path("bench/results/load"))
+    parser.add_argument(
+        "--report-only", action="store_true", help="re-render report and plots from --out-dir/load.json"
+    )
     args = parser.parse_args(argv)
+    if args.report_only:
+        return render(json.loads((args.out_dir / "load.json").read_text()), args.out_dir, Console(width=140))
     profile = PROFILES[args.profile]
     args.configs = args.configs.split(",")
     if unknown := set(args.configs) - CONFIGS.keys():
@@ -355,16 +363,24 @@ def main(argv: list[str] | None = None) -> int:
         args.model = common.model_path(args.model)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     console = Console(width=140)
-    payload, levels = asyncio.run(main_async(args, console))
+    payload, _ = asyncio.run(main_async(args, console))
     (args.out_dir / "load.json").write_text(
         json.dumps(_json_safe(payload), indent=1, allow_nan=False, default=str)
     )
+    return render(payload, args.out_dir, console)
+
+
+def render(payload: dict[str, Any], out_dir: Path, console: Console) -> int:
+    """The report and plots of a run, from its payload (as written to load.json)."""
+    fields = {f for f in Level.__dataclass_fields__}
+    levels = [Level(**{k: math.inf if v == "inf" else math.nan if v is None else v
+                       for k, v in lv.items() if k in fields}) for lv in payload["levels"]]  # fmt: skip
     labels = {c["name"]: c["label"] for c in payload["configs"]}
-    plots = plot(levels, labels, args.slo_s, args.deadline_s, args.out_dir)
+    plots = plot(levels, labels, payload["slo_s"], payload["deadline_s"], out_dir)
     report = markdown(payload, levels, plots)
-    (args.out_dir / "load-report.md").write_text(report, encoding="utf-8")
+    (out_dir / "load-report.md").write_text(report, encoding="utf-8")
     console.print(report)
-    console.print(f"wrote {args.out_dir}/load-report.md, load.json, {', '.join(plots)}")
+    console.print(f"wrote {out_dir}/load-report.md, load.json, {', '.join(plots)}")
     return 0
 
 

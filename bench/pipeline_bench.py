@@ -161,9 +161,10 @@ async def main_async(args: argparse.Namespace, console: Console) -> list[Result]
     with embedded_broker() as broker:
         plan: list[tuple[str, int, int, float | None, float]] = [
             ("drain", args.burst, 32, None, 1.0), ("drain", args.burst, 256, None, 1.0), ("drain", args.burst, 32, None, 0.01)
-        ]  # fmt: skip
-        for sampled in (1.0, 0.01):
-            plan += [("paced", int(rate * args.seconds), 32, rate, sampled) for rate in args.rates]
+        ] if args.drain else []  # fmt: skip
+        for inflight in args.paced_inflight:
+            for sampled in (1.0, 0.01):
+                plan += [("paced", int(rate * args.seconds), inflight, rate, sampled) for rate in args.rates]
         for name, n, inflight, rate, sampled in plan:
             console.print(
                 f"running {name} ({n} documents, MAX_INFLIGHT={inflight}, traces sampled {sampled:.0%}) ..."
@@ -193,6 +194,13 @@ def main() -> None:
         help="the worker's FETCH_MAX_WAIT_MS: the embedded broker holds an empty fetch this long even when records arrive",
     )  # fmt: skip
     parser.add_argument("--seconds", type=float, default=10.0, help="length of the paced variant")
+    parser.add_argument(
+        "--paced-inflight", type=int, nargs="+", default=[32, 256],
+        help="MAX_INFLIGHT of the paced variants (at 2,000/s x ~15 ms, 32 in flight is the bound itself)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--drain", action=argparse.BooleanOptionalAction, default=True, help="run the drain variants"
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/pipeline.json"))
     args = parser.parse_args()
     console = Console(width=140)

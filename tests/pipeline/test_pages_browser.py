@@ -114,6 +114,15 @@ async def test_a_pasted_chinese_complaint_is_analysed_and_appears_live_on_the_tr
     counts = await board.text_content("#counts") or ""
     assert any(ch.isdigit() and ch != "0" for ch in counts)
     await board.screenshot(path=ARTIFACTS / "triage-desktop.png", full_page=True)
+    # Filters: another urgency hides it, its own category keeps it.
+    badge = await item.locator(".badge").get_attribute("class") or ""
+    urgency = badge.split("urgency-")[-1]
+    await board.select_option("#urgency", next(u for u in ("low", "critical") if u != urgency))
+    assert await board.locator("#board li").count() == 0
+    await board.select_option("#urgency", "")
+    categories = await board.eval_on_selector_all("#category option", "os => os.map(o => o.value)")
+    await board.select_option("#category", categories[-1])
+    assert await board.locator("#board li").count() == 1
 
     # Readable at 360 px: nothing wider than the screen, the result below the form.
     for name, target in (("analyse", page), ("triage", board)):
