@@ -22,9 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.structs import TopicPartition
 
-from pipeline.client import parse_answer
+from pipeline.client import assign_answer_topics, parse_answer
 from pipeline.codec import encode_document
 from pipeline.kafka import make_consumer
 from pipeline.settings import Settings
@@ -151,16 +150,10 @@ class Collector:
     unparseable: int = 0
 
     async def run(self, stop: asyncio.Event) -> None:
-        topics = (self.settings.topic_analysis, self.settings.topic_dead_letters)
-        consumer = make_consumer(self.settings, group_id=None)
+        consumer = make_consumer(self.settings, grouped=False)
         await consumer.start()
         try:
-            await consumer.topics()  # refreshes the metadata
-            parts = [
-                TopicPartition(t, p) for t in topics for p in sorted(consumer.partitions_for_topic(t) or ())
-            ]
-            consumer.assign(parts)
-            await consumer.seek_to_beginning(*parts)
+            await assign_answer_topics(consumer, self.settings)
             while not stop.is_set():
                 for tp, records in (await consumer.getmany(timeout_ms=200, max_records=1000)).items():
                     for record in records:

@@ -15,17 +15,17 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import KafkaError
-from aiokafka.structs import TopicPartition
 
-from pipeline.client import Answer, parse_answer
-from pipeline.kafka import client_options
+from pipeline.client import Answer, assign_answer_topics, parse_answer
+from pipeline.kafka import make_consumer
 from pipeline.settings import Settings
+from schemas import DeadLetter
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +42,7 @@ class AnswerHub:
     def __init__(self, settings: Settings, keep: int = 2_000, history_s: float = 3_600.0) -> None:
         self.settings = settings
         self.history_s = history_s
-        self.recent: deque[Delivered] = deque(maxlen=keep)
-        self._by_event: OrderedDict[str, Delivered] = OrderedDict()
+        self._by_event: OrderedDict[str, Delivered] = OrderedDict()  # oldest first, at most `keep`
         self._keep = keep
         self._seq = 0
         self._changed = asyncio.Condition()
@@ -88,7 +87,7 @@ class AnswerHub:
         elif after > self._seq:  # a client of an earlier process: its ids mean nothing here
             after = 0
         while True:
-            pending = [d for d in self.recent if d.seq > after]
+            pending = [d for d in self._by_event.values() if d.seq > after]
             for item in pending:
                 yield item
                 after = item.seq
@@ -104,11 +103,10 @@ class AnswerHub:
     async def _add(self, answer: Answer, value: bytes) -> None:
         if answer.event_id in self._by_event:  # a redelivery answers again under the same id
             return
-        kind = "dead_letter" if hasattr(answer, "error_type") else "analysis"
+        kind = "dead_letter" if isinstance(answer, DeadLetter) else "analysis"
         async with self._changed:
             self._seq += 1
             item = Delivered(self._seq, answer.event_id, kind, value.decode("utf-8"))
-            self.recent.append(item)
             self._by_event[answer.event_id] = item
             while len(self._by_event) > self._keep:
                 self._by_event.popitem(last=False)
@@ -117,13 +115,7 @@ class AnswerHub:
     async def run(self, stop: asyncio.Event) -> None:
         """Reads until `stop`; reconnects by itself when the broker goes away."""
         while not stop.is_set():
-            consumer = AIOKafkaConsumer(
-                **client_options(self.settings),
-                group_id=None,
-                enable_auto_commit=False,
-                auto_offset_reset="earliest",
-                fetch_max_wait_ms=100,
-            )
+            consumer = make_consumer(self.settings, grouped=False)
             try:
                 await consumer.start()
                 await self._assign(consumer)
@@ -146,15 +138,7 @@ class AnswerHub:
                     await consumer.stop()
 
     async def _assign(self, consumer: AIOKafkaConsumer) -> None:
-        await consumer.topics()  # refreshes the metadata
-        parts = []
-        for topic in (self.settings.topic_analysis, self.settings.topic_dead_letters):
-            found = consumer.partitions_for_topic(topic)
-            if not found:
-                raise LookupError(f"topic {topic} does not exist yet")
-            parts += [TopicPartition(topic, p) for p in sorted(found)]
-        consumer.assign(parts)
-        await consumer.seek_to_beginning(*parts)
+        parts = await assign_answer_topics(consumer, self.settings)
         since_ms = int((time.time() - self.history_s) * 1000)
         with contextlib.suppress(KafkaError, ValueError, TypeError):  # brokers that cannot seek by time
             for tp, found in (await consumer.offsets_for_times({tp: since_ms for tp in parts})).items():

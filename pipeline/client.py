@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from aiokafka import AIOKafkaConsumer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import TopicPartition
 from pydantic import ValidationError
 
@@ -55,25 +55,22 @@ def load_documents(paths: Iterable[Path], kind: DocumentKind | None = None) -> l
     return documents
 
 
+async def send_document(producer: AIOKafkaProducer, settings: Settings, document: DocumentEvent) -> Sent:
+    """Publishes one document to its kind's input topic; returns where the broker put it."""
+    topic = settings.topic_for(document.kind or DocumentKind.COMPLAINT)
+    value, headers = encode_document(document)
+    key = (document.document_id or "").encode("utf-8") or None
+    meta = await producer.send_and_wait(topic, value, key=key, headers=headers)
+    return Sent(
+        document.document_id or f"{topic}/{meta.partition}/{meta.offset}", topic, meta.partition, meta.offset
+    )
+
+
 async def publish_documents(settings: Settings, documents: Iterable[DocumentEvent]) -> list[Sent]:
     producer = make_producer(settings)
     await producer.start()
     try:
-        sent = []
-        for document in documents:
-            topic = settings.topic_for(document.kind or DocumentKind.COMPLAINT)
-            value, headers = encode_document(document)
-            key = (document.document_id or "").encode("utf-8") or None
-            meta = await producer.send_and_wait(topic, value, key=key, headers=headers)
-            sent.append(
-                Sent(
-                    document.document_id or f"{topic}/{meta.partition}/{meta.offset}",
-                    topic,
-                    meta.partition,
-                    meta.offset,
-                )
-            )
-        return sent
+        return [await send_document(producer, settings, document) for document in documents]
     finally:
         await producer.stop()
 
@@ -108,18 +105,11 @@ async def collect_answers(
 ) -> dict[str, list[Answer]]:
     """Reads both answer topics from the beginning until every expected event id has an answer
     (or `count` answers arrived), or the timeout passes. Keeps duplicates, keyed by event id."""
-    topics = [settings.topic_analysis, settings.topic_dead_letters]
-    # No group: read everything from the beginning (the embedded broker cannot seek to the end).
-    consumer = make_consumer(settings, group_id=None)
+    consumer = make_consumer(settings, grouped=False)
     await consumer.start()
     answers: dict[str, list[Answer]] = {}
     try:
-        partitions = []
-        for topic in topics:
-            for p in sorted(await _partitions_for(consumer, topic)):
-                partitions.append(TopicPartition(topic, p))
-        consumer.assign(partitions)
-        await consumer.seek_to_beginning(*partitions)
+        await assign_answer_topics(consumer, settings)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             batch = await consumer.getmany(timeout_ms=200)
@@ -137,12 +127,19 @@ async def collect_answers(
         await consumer.stop()
 
 
-async def _partitions_for(consumer: AIOKafkaConsumer, topic: str) -> set[int]:
+async def assign_answer_topics(consumer: AIOKafkaConsumer, settings: Settings) -> list[TopicPartition]:
+    """Assigns every partition of the analysis and dead-letter topics to a group-less consumer,
+    positioned at their beginning (the embedded broker cannot seek to the end)."""
     await consumer.topics()  # refreshes the cluster metadata
-    parts = consumer.partitions_for_topic(topic)
-    if not parts:
-        raise LookupError(f"topic {topic} has no partitions (does it exist?)")
-    return set(parts)
+    partitions = []
+    for topic in (settings.topic_analysis, settings.topic_dead_letters):
+        found = consumer.partitions_for_topic(topic)
+        if not found:
+            raise LookupError(f"topic {topic} has no partitions (does it exist?)")
+        partitions += [TopicPartition(topic, p) for p in sorted(found)]
+    consumer.assign(partitions)
+    await consumer.seek_to_beginning(*partitions)
+    return partitions
 
 
 def dump_answer(answer: Answer) -> str:

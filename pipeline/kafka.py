@@ -47,11 +47,13 @@ def make_producer(settings: Settings) -> AIOKafkaProducer:
     return AIOKafkaProducer(**client_options(settings), acks="all", enable_idempotence=False, linger_ms=5)
 
 
-def make_consumer(settings: Settings, *topics: str, group_id: str | None = None) -> AIOKafkaConsumer:
+def make_consumer(settings: Settings, *topics: str, grouped: bool = True) -> AIOKafkaConsumer:
+    """The worker's consumer (in CONSUMER_GROUP), or with `grouped=False` a reader of assigned
+    partitions that joins no group and commits nothing."""
     return AIOKafkaConsumer(
         *topics,
         **client_options(settings),
-        group_id=group_id if group_id is not None else settings.consumer_group,
+        group_id=settings.consumer_group if grouped else None,
         enable_auto_commit=False,
         auto_offset_reset="earliest",
         session_timeout_ms=settings.session_timeout_ms,

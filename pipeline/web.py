@@ -9,6 +9,7 @@ in `pipeline/web/`, served from here: nothing is fetched from the internet.
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import AsyncIterator
 from importlib import resources
@@ -22,10 +23,10 @@ from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
 from pipeline.answers import AnswerHub, Delivered
-from pipeline.codec import encode_document
+from pipeline.client import send_document
 from pipeline.kafka import client_options
 from pipeline.settings import Settings
-from schemas import AnalysisEvent, DocumentEvent, DocumentKind, Language, event_id_for
+from schemas import AnalysisEvent, DocumentEvent, DocumentKind, Language
 from schemas.events import NonEmptyStr
 
 STATIC = Path(str(resources.files("pipeline") / "web"))
@@ -105,20 +106,10 @@ class Front:
             language=request.language,
             source_system="web",
         )
-        value, headers = encode_document(document)
-        topic = self.settings.topic_for(request.kind)
         producer = await self.producer()
-        meta = await asyncio.wait_for(
-            producer.send_and_wait(topic, value, key=(document.document_id or "").encode(), headers=headers),
-            self.send_timeout_s,
-        )
-        return Accepted(
-            event_id=event_id_for(topic, meta.partition, meta.offset),
-            document_id=document.document_id or "",
-            topic=topic,
-            partition=meta.partition,
-            offset=meta.offset,
-        )
+        sent = await asyncio.wait_for(send_document(producer, self.settings, document), self.send_timeout_s)
+        return Accepted(event_id=sent.event_id, document_id=sent.document_id, topic=sent.topic,
+                        partition=sent.partition, offset=sent.offset)  # fmt: skip
 
     async def close(self) -> None:
         if self._producer is not None:
@@ -213,7 +204,5 @@ def router(front: Front) -> APIRouter:
 
 
 def json_of(item: Delivered) -> dict[str, Any]:
-    import json
-
     value: dict[str, Any] = json.loads(item.json)
     return value
