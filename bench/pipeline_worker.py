@@ -39,6 +39,9 @@ class InstantEngine:
     def format_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
         return [len(m["content"]) for m in messages]
 
+    async def prepare(self, json_schema: str) -> None:
+        pass
+
     async def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams | None = None
     ) -> GenerationResult:

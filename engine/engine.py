@@ -211,7 +211,22 @@ class Engine:
         self._arrived.set()
         return RequestHandle(request, self.decode)
 
+    async def prepare(self, json_schema: str) -> None:
+        """Compiles the grammar of `json_schema` (once per schema) on a thread of its own, so that
+        a request with a new schema does not stall the steps of the sequences already running.
+        `generate` calls it; services call it at start for the schemas they will use."""
+        if self.runner.grammar_ready(json_schema):
+            return
+        try:
+            await asyncio.to_thread(lambda: self.runner.grammar().compile(json_schema))
+        except EngineError:
+            raise
+        except Exception as exc:  # xgrammar rejects the schema: the request fails, not the engine
+            raise EngineError(f"the JSON schema cannot be compiled to a grammar: {exc}") from exc
+
     async def generate(self, prompt_ids: Seq[int], params: SamplingParams | None = None) -> GenerationResult:
+        if params is not None and params.json_schema is not None:
+            await self.prepare(params.json_schema)
         handle = self.submit(prompt_ids, params)
         try:
             return await handle.result()

@@ -8,6 +8,7 @@ the grammar mask. Runs on the engine's worker thread; returns tokens, mutates no
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -48,11 +49,16 @@ class ModelRunner:
         self.observe = observe  # attention pruning: the observation window to score with (0: off)
         self.vocab_size = int(self.model.config.vocab_size)
         self._grammar: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()  # the engine thread and a preparing thread may race
 
     def grammar(self) -> GrammarCompiler:
-        if self._grammar is None:  # built on first use: indexing a 150k vocabulary takes a moment
-            self._grammar = GrammarCompiler(self.tokenizer, self.vocab_size)
-        return self._grammar
+        with self._grammar_lock:
+            if self._grammar is None:  # built on first use: indexing a 150k vocabulary takes a moment
+                self._grammar = GrammarCompiler(self.tokenizer, self.vocab_size)
+            return self._grammar
+
+    def grammar_ready(self, json_schema: str) -> bool:
+        return self._grammar is not None and self._grammar.is_compiled(json_schema)
 
     @torch.inference_mode()
     def step(self, plan: Seq[Chunk], moves: Moves | None = None) -> StepOutput:

@@ -27,6 +27,8 @@ class AnalysisEngine(Protocol):
 
     def format_chat(self, messages: Sequence[dict[str, str]]) -> list[int]: ...
 
+    async def prepare(self, json_schema: str) -> None: ...
+
     async def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams | None = None
     ) -> GenerationResult: ...
@@ -70,6 +72,13 @@ class Analyzer:
         }
         self.max_new_tokens = max_new_tokens
         self.attempts = attempts
+
+    async def prepare(self) -> None:
+        """Compiles every kind x language grammar ahead of the first documents, one at a time
+        (each takes seconds; a document whose grammar is not ready yet waits for it)."""
+        for params in self.params.values():
+            if params.json_schema is not None:
+                await self.engine.prepare(params.json_schema)
 
     async def analyze(self, document: Document, consumed_at: float) -> AnalysisOutcome:
         prompt = render(document.kind, document.language, document.text)

@@ -84,6 +84,7 @@ class Service:
         self.metrics = Metrics(settings.otel_service_name, self.snapshot)
         self.started_at = time.time()
         self.is_ready = False
+        self._preparing: asyncio.Task[None] | None = None
         self._consumer: AIOKafkaConsumer | None = None
         self._publisher: Publisher | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -136,6 +137,12 @@ class Service:
         return len(self._tasks)
 
     @property
+    def grammars_ready(self) -> bool:
+        """Whether every kind x language grammar is compiled (documents no longer wait for one)."""
+        task = self._preparing
+        return task is not None and task.done() and not task.cancelled() and task.exception() is None
+
+    @property
     def paused(self) -> bool:
         """Whether fetching is paused because `MAX_INFLIGHT` documents are in flight."""
         return self._paused
@@ -151,6 +158,9 @@ class Service:
         # the collector's sight, a full collection stops rescanning it (90 ms each in a worker with
         # torch loaded, ~200k objects; such pauses were the pipeline's latency tail).
         gc.freeze()
+        # Grammars compile in the background while the consumer starts and reads.
+        preparing = self._preparing = asyncio.create_task(self.analyzer.prepare(), name="prepare-grammars")
+        preparing.add_done_callback(_report_preparation)
         producer = make_producer(self.settings)
         self._consumer = make_consumer(self.settings)
         await producer.start()
@@ -167,6 +177,8 @@ class Service:
                 await self.commit()
                 await self._consumer.stop()
         finally:
+            preparing.cancel()
+            await asyncio.gather(preparing, return_exceptions=True)
             await producer.stop()
         if self._fatal is not None:
             raise self._fatal
@@ -362,6 +374,11 @@ class Service:
             self.counters.processed += 1
         else:
             self.counters.dead_lettered += 1
+
+
+def _report_preparation(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("grammars could not be prepared (documents needing them will fail): %s", exc)
 
 
 @contextlib.asynccontextmanager

@@ -13,6 +13,7 @@ def status_report(service: Service) -> dict[str, Any]:
     stats = service.engine.stats()
     return {
         "status": "ready" if service.is_ready else "starting",
+        "grammars_ready": service.grammars_ready,
         "dynamic_batching": service.settings.dynamic_batching,
         "kv_compression": stats.kv_compression,
         "kv_profile": {

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -203,6 +205,40 @@ async def test_json_schema_constrains_the_output_of_a_random_model(tiny: LoadedM
         assert isinstance(value["escalate"], bool)
         assert result.finish_reason == "stop"
     assert results[0].token_ids == reference(tiny, ids[0], 8)  # unconstrained row unaffected
+
+
+async def test_a_new_schema_compiles_once_off_the_engine_thread_while_others_decode(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import xgrammar
+
+    compiles: list[tuple[str, int, int]] = []  # (thread, engine steps when it began, when it ended)
+    real = xgrammar.GrammarCompiler.compile_json_schema
+
+    def slow(self: object, schema: str, **options: object) -> object:
+        began = engine.stats().num_steps
+        time.sleep(0.3)
+        compiled = real(self, schema, **options)  # type: ignore[arg-type]
+        compiles.append((threading.current_thread().name, began, engine.stats().num_steps))
+        return compiled
+
+    monkeypatch.setattr(xgrammar.GrammarCompiler, "compile_json_schema", slow)
+    schema = json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]})
+    params = SamplingParams(max_new_tokens=16, json_schema=schema)
+    engine = make_engine(tiny, dynamic_batching=True, max_batch_size=4, batch_window_ms=0)
+    async with engine:
+        ids = [engine.format_chat([{"role": "user", "content": p}]) for p in PROMPTS[:3]]
+        free = asyncio.create_task(
+            engine.generate(ids[0], SamplingParams(max_new_tokens=200, ignore_eos=True))
+        )
+        await asyncio.sleep(0.05)
+        constrained = await asyncio.gather(*(engine.generate(i, params) for i in ids[1:]))
+        await engine.prepare(schema)  # compiled already: returns at once
+        await free
+    assert len(compiles) == 1  # two requests and a prepare, one compilation
+    thread, began, ended = compiles[0]
+    assert not thread.startswith("engine") and ended > began  # the running request kept stepping
+    assert all(json.loads(r.text)["ok"] in (True, False) for r in constrained)
 
 
 def test_start_up_self_test_passes() -> None:

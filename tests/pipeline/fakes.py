@@ -24,6 +24,7 @@ class ScriptedEngine:
         self.calls = 0
         self.active = 0
         self.max_concurrent = 0
+        self.prepared: list[str] = []  # schemas compiled ahead, in order
 
     @property
     def model_id(self) -> str:
@@ -31,6 +32,9 @@ class ScriptedEngine:
 
     def format_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
         return list(json.dumps(list(messages), ensure_ascii=False).encode("utf-8"))
+
+    async def prepare(self, json_schema: str) -> None:
+        self.prepared.append(json_schema)
 
     async def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams | None = None

@@ -34,6 +34,7 @@ async def test_status_reflects_the_environment(
     assert status["kv_pool"]["total_bytes"] == 1024
     assert "batch_occupancy" in status["engine"]
     assert health.status_code == 503  # not consuming yet
+    assert status["grammars_ready"] is False
 
 
 @pytest.mark.parametrize("kv", ["true", "false"])
