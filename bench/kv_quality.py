@@ -46,6 +46,9 @@ CORPUS = Path(__file__).with_name("data") / "kv-corpus.jsonl"
 PROFILES: dict[str, dict[str, Any]] = {
     "off": {},
     "off-again": {},  # the measurement's own floor: batching order alone, no compression
+    # The model's numerical floor: no compression, exact same maths, prompts read in 128-token
+    # instead of 192-token chunks, so only bf16 rounding differs from "off".
+    "off-chunk-128": {"max_tokens_per_step": 128},
     "int8": {"kv_compression": True, "kv_quant_bits": 8},
     "int4": {"kv_compression": True, "kv_quant_bits": 4},
     "prune-0.5": {"kv_compression": True, "kv_quant_bits": 16, "kv_keep_ratio": 0.5},

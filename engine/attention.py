@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.kv_cache import ColdBlocks, KVCache
+from engine.kv_cache import KVCache
 
 ATTENTION_NAME = "deepanalyze_paged"
 
@@ -47,7 +47,7 @@ class DecodeGroup:
     head_rows: torch.Tensor  # (B * KVH * Lmax,) rows of a layer's cache viewed as (slots * KVH, D)
     padding: torch.Tensor | None  # (B, 1, 1, Mmax*bs + Lmax) True where a key is padding, or None
     max_len: int  # Lmax: full-precision slots per row
-    cold_blocks: torch.Tensor | None = None  # (B * Mmax,) quantised blocks per row, padded with 0
+    cold_rows: torch.Tensor | None = None  # (B * KVH * Mmax,) rows of (cold block, KV head), padded
     max_cold: int = 0  # Mmax
 
 
@@ -90,14 +90,11 @@ def _decode_group(decodes: list[SeqSlice], kv_heads: int, block: int, device: to
     # gives each (sequence, KV head) its history contiguously, as the batched matmuls want it.
     heads = torch.arange(kv_heads)[None, :, None]
     head_rows = (slots[:, None, :] * kv_heads + heads).flatten().to(device)
+    # Likewise for quantised blocks, a row holding one KV head's tokens of one block.
+    cold_rows = (blocks[:, None, :] * kv_heads + heads).flatten().to(device) if cold else None
     rows = torch.tensor([d.q_start for d in decodes], dtype=torch.long, device=device)
     return DecodeGroup(
-        rows,
-        head_rows,
-        padding.to(device) if bool(padding.any()) else None,
-        longest,
-        blocks.flatten().to(device) if cold else None,
-        cold,
+        rows, head_rows, padding.to(device) if bool(padding.any()) else None, longest, cold_rows, cold
     )
 
 
@@ -125,8 +122,9 @@ def decode_attention(
     Query heads are grouped over their shared KV head (GQA): one batched matmul over (sequence,
     KV head) pairs, reading a contiguous gather of the cache; softmax in fp32. On CPU this is
     several times faster in bf16 than `scaled_dot_product_attention(enable_gqa=True)`, which
-    takes a slow path for single-token queries there. Quantised blocks are never dequantised:
-    their scales fold into the queries (keys) and the probabilities (values).
+    takes a slow path for single-token queries there. Quantised blocks are read a whole (block,
+    KV head) row at a time: keys dequantised, values as centred codes whose per-token scale goes
+    into the attention weights (see `ColdStore.gathered`).
     """
     num, kv_heads, head_dim = group.rows.shape[0], cache.shape.num_kv_heads, query.shape[-1]
     groups = query.shape[0] // kv_heads
@@ -137,48 +135,21 @@ def decode_attention(
     q = query.index_select(1, group.rows).transpose(0, 1).reshape(num * kv_heads, groups, head_dim)
     scores = torch.bmm(q, key.transpose(1, 2)).float() * scale  # (B*KVH, G, L)
     cold = None
-    if group.cold_blocks is not None and cache.cold is not None:
-        cold = cache.cold.codes(layer, group.cold_blocks)
-        cold_scores = _cold_scores(q.float().view(num, kv_heads, groups, head_dim), cold, group.max_cold)
-        scores = torch.cat((cold_scores.view(num * kv_heads, groups, -1) * scale, scores), dim=-1)
+    if group.cold_rows is not None and cache.cold is not None:
+        cold = cache.cold.gathered(layer, group.cold_rows, num * kv_heads)  # (B*KVH, M*bs, D)
+        scores = torch.cat((torch.bmm(q, cold.keys.transpose(1, 2)).float() * scale, scores), dim=-1)
     if group.padding is not None:
         scores.view(num, kv_heads, groups, -1).masked_fill_(group.padding, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     if cold is None:
         return torch.bmm(probs.to(value.dtype), value).view(num, kv_heads * groups, head_dim)
     split = probs.shape[-1] - group.max_len
-    out = torch.bmm(probs[..., split:].to(value.dtype), value).float()  # (B*KVH, G, D)
-    out += _cold_values(probs[..., :split].view(num, kv_heads, groups, group.max_cold, -1), cold)
-    return out.to(value.dtype).view(num, kv_heads * groups, head_dim)
-
-
-def _cold_scores(q: torch.Tensor, cold: ColdBlocks, blocks: int) -> torch.Tensor:
-    """q (B, KVH, G, D) fp32 against quantised keys: (B, KVH, G, M*bs) unscaled scores.
-
-    k = code * s + m per channel and block, so q.k = (q*s).code + q.m: the scale goes into the
-    query, the minimum into one bias per block."""
-    num, kv_heads, groups, dim = q.shape
-    scale = cold.key_scale.view(num, blocks, kv_heads, 1, dim)
-    low = cold.key_min.view(num, blocks, kv_heads, 1, dim)
-    q5 = q.unsqueeze(1)  # (B, 1, KVH, G, D)
-    codes = cold.key_codes.view(num * blocks * kv_heads, -1, dim)  # (B*M*KVH, bs, D)
-    scores = torch.bmm((q5 * scale).view(-1, groups, dim), codes.transpose(1, 2))  # (B*M*KVH, G, bs)
-    scores = scores.view(num, blocks, kv_heads, groups, -1) + (q5 * low).sum(-1, keepdim=True)
-    return scores.permute(0, 2, 3, 1, 4).reshape(num, kv_heads, groups, -1)
-
-
-def _cold_values(probs: torch.Tensor, cold: ColdBlocks) -> torch.Tensor:
-    """probs (B, KVH, G, M, bs) fp32 over quantised values: (B*KVH, G, D).
-
-    v = code * s + m per token, so p.v = (p*s).codes + (p.m): the scale goes into the weights."""
-    num, kv_heads, groups, blocks, size = probs.shape
-    weights = probs.permute(0, 3, 1, 2, 4)  # (B, M, KVH, G, bs)
-    scale = cold.value_scale.view(num, blocks, kv_heads, 1, size)
-    low = cold.value_min.view(num, blocks, kv_heads, 1, size)
-    codes = cold.value_codes.view(num * blocks * kv_heads, size, -1)  # (B*M*KVH, bs, D)
-    out = torch.bmm((weights * scale).reshape(-1, groups, size), codes)  # (B*M*KVH, G, D)
-    out = out.view(num, blocks, kv_heads, groups, -1).sum(1) + (weights * low).sum((1, 4)).unsqueeze(-1)
-    return out.reshape(num * kv_heads, groups, -1)
+    out = torch.bmm(probs[..., split:].to(value.dtype), value)  # (B*KVH, G, D)
+    # v = code * s + offset per token, so p.v = (p*s).code + p.offset: the scale goes into the weights.
+    weights = probs[..., :split]
+    out = torch.baddbmm(out, (weights * cold.value_scale).to(value.dtype), cold.value_codes)
+    out += (weights * cold.value_offset).sum(-1, keepdim=True).to(value.dtype)
+    return out.view(num, kv_heads * groups, head_dim)
 
 
 def window_attention(query: torch.Tensor, key: torch.Tensor, window: int, scale: float) -> torch.Tensor:

@@ -14,11 +14,9 @@ import torch
 from engine.config import EngineConfig
 from engine.kv_quant import (
     QuantFormat,
-    dequantize_keys,
-    dequantize_values,
+    centred,
     quantize_keys,
     quantize_values,
-    unpack,
 )
 
 
@@ -89,43 +87,47 @@ class ColdStore:
         self.value_scale.index_copy_(1, blocks, scale.transpose(2, 3).contiguous())
         self.value_min.index_copy_(1, blocks, low.transpose(2, 3).contiguous())
 
-    def read(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dequantised keys and values of cold `blocks` (n,): each (n, block_size, KVH, D)."""
-        key = dequantize_keys(
-            self.key_codes[layer].index_select(0, blocks).transpose(1, 2),
-            self.key_scale[layer].index_select(0, blocks),
-            self.key_min[layer].index_select(0, blocks),
-            self.fmt,
-        )
-        value = dequantize_values(
-            self.value_codes[layer].index_select(0, blocks).transpose(1, 2),
-            self.value_scale[layer].index_select(0, blocks).transpose(1, 2),
-            self.value_min[layer].index_select(0, blocks).transpose(1, 2),
-            self.fmt,
-        )
-        return key, value
+    def gathered(self, layer: int, head_blocks: torch.Tensor, pairs: int) -> ColdHistory:
+        """Cold blocks as attention reads them, per (sequence, KV head) pair; `head_blocks`
+        (pairs * m,) are rows of (block, KV head) in (sequence, KV head, block) order. One gather
+        of whole rows (a block's tokens of one KV head are contiguous); keys are dequantised into
+        the cache's dtype (a multiply-add per channel), values stay centred codes whose per-token
+        scale the attention weights absorb (a multiply-add per token would broadcast along the
+        innermost dimension, several times slower on CPU)."""
+        size, code_dim = self.key_codes.shape[3], self.key_codes.shape[4]
+        dim, dtype = self.key_scale.shape[-1], self.key_scale.dtype
+        blocks, zero = head_blocks.shape[0] // pairs, self.fmt.zero
 
-    def codes(self, layer: int, blocks: torch.Tensor) -> ColdBlocks:
-        """What decode attention needs of cold `blocks` (n,), without dequantising: the codes as
-        fp32 integers (n, KVH, bs, D) and the scales and minimums in fp32."""
-        return ColdBlocks(
-            unpack(self.key_codes[layer].index_select(0, blocks), self.fmt).float(),
-            self.key_scale[layer].index_select(0, blocks).float(),  # (n, KVH, D)
-            self.key_min[layer].index_select(0, blocks).float(),
-            unpack(self.value_codes[layer].index_select(0, blocks), self.fmt).float(),
-            self.value_scale[layer].index_select(0, blocks).float(),  # (n, KVH, bs)
-            self.value_min[layer].index_select(0, blocks).float(),
+        def rows(t: torch.Tensor, width: int) -> torch.Tensor:
+            return t[layer].view(-1, width).index_select(0, head_blocks)
+
+        def codes(t: torch.Tensor) -> torch.Tensor:  # (pairs, m * bs, D), centred, in the cache's dtype
+            packed = rows(t, size * code_dim).view(pairs, blocks * size, code_dim)
+            return centred(packed, self.fmt).to(dtype)
+
+        key_scale = rows(self.key_scale, dim).view(pairs, blocks, 1, dim)
+        key_offset = rows(self.key_min, dim).view(pairs, blocks, 1, dim) + zero * key_scale
+        keys = torch.addcmul(key_offset, codes(self.key_codes).view(pairs, blocks, size, dim), key_scale)
+        value_scale = rows(self.value_scale, size).view(pairs, 1, blocks * size).float()
+        value_offset = rows(self.value_min, size).view(pairs, 1, blocks * size).float() + zero * value_scale
+        return ColdHistory(
+            keys.view(pairs, blocks * size, dim), codes(self.value_codes), value_scale, value_offset
         )
 
 
 @dataclass(frozen=True)
-class ColdBlocks:
-    key_codes: torch.Tensor
-    key_scale: torch.Tensor
-    key_min: torch.Tensor
-    value_codes: torch.Tensor
-    value_scale: torch.Tensor
-    value_min: torch.Tensor
+class ColdHistory:
+    """Quantised blocks read for attention, per (sequence, KV head) pair, m * bs tokens each."""
+
+    keys: torch.Tensor  # (pairs, m * bs, D) dequantised, in the cache's dtype
+    value_codes: torch.Tensor  # (pairs, m * bs, D) centred codes, in the cache's dtype
+    value_scale: torch.Tensor  # (pairs, 1, m * bs) fp32: value = code * scale + offset
+    value_offset: torch.Tensor  # (pairs, 1, m * bs) fp32
+
+    def values(self) -> torch.Tensor:
+        """The values dequantised, (pairs, m * bs, D): for kernels that take values whole."""
+        scale, offset = self.value_scale.transpose(1, 2), self.value_offset.transpose(1, 2)
+        return torch.addcmul(offset, self.value_codes.float(), scale).to(self.keys.dtype)
 
 
 class KVCache:
@@ -181,13 +183,15 @@ class KVCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A sequence's keys and values shaped (1, KVH, L, D) for attention: its quantised blocks
         (dequantised) first, then its full-precision slots in token order."""
-        key = self.keys[layer].index_select(0, slots)  # (L, KVH, D)
-        value = self.values[layer].index_select(0, slots)
+        key = self.keys[layer].index_select(0, slots).transpose(0, 1)  # (KVH, L, D)
+        value = self.values[layer].index_select(0, slots).transpose(0, 1)
         if cold_blocks is not None and self.cold is not None and cold_blocks.numel():
-            cold_key, cold_value = self.cold.read(layer, cold_blocks)  # (m, bs, KVH, D)
-            key = torch.cat((cold_key.flatten(0, 1), key))
-            value = torch.cat((cold_value.flatten(0, 1), value))
-        return key.permute(1, 0, 2).unsqueeze(0), value.permute(1, 0, 2).unsqueeze(0)
+            heads = self.shape.num_kv_heads
+            head = torch.arange(heads, device=cold_blocks.device)[:, None]
+            rows = (cold_blocks[None, :] * heads + head).flatten()  # (KVH * m,), head-major
+            cold = self.cold.gathered(layer, rows, heads)  # (KVH, m * bs, D)
+            key, value = torch.cat((cold.keys, key), dim=1), torch.cat((cold.values(), value), dim=1)
+        return key.unsqueeze(0), value.unsqueeze(0)
 
 
 def slots_of(table: list[int], num_tokens: int, block_size: int, start: int = 0) -> torch.Tensor:

@@ -28,6 +28,11 @@ class QuantFormat:
     def levels(self) -> int:
         return (1 << self.bits) - 1
 
+    @property
+    def zero(self) -> int:
+        """The middle code, subtracted before codes enter a matmul (see `centred`)."""
+        return 1 << (self.bits - 1)
+
     def code_dim(self, head_dim: int) -> int:
         """Bytes of codes per head and token."""
         if self.bits == 4 and head_dim % 2:
@@ -52,6 +57,15 @@ def unpack(packed: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     if fmt.bits == 8:
         return packed
     return torch.cat((packed & 0x0F, packed >> 4), dim=-1)
+
+
+def centred(packed: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    """The codes minus `fmt.zero`, as int8: x = code * s + m = (code - zero) * s + (m + zero * s).
+    A weighted sum of centred codes does not cancel against a large minimum afterwards, so it
+    can run in bf16 without losing the small differences between values."""
+    if fmt.bits == 8:
+        return torch.bitwise_xor(packed, 0x80).view(torch.int8)  # code - 128, bit for bit
+    return unpack(packed, fmt).view(torch.int8) - fmt.zero
 
 
 def _quantize(x: torch.Tensor, dim: int, fmt: QuantFormat) -> Quantized:

@@ -14,6 +14,7 @@ from engine.kv_cache import ColdStore, KVCache, KVShape, slots_of
 from engine.kv_prune import heuristic_scores, select_kept, smooth
 from engine.kv_quant import (
     QuantFormat,
+    centred,
     dequantize_keys,
     dequantize_values,
     quantize_keys,
@@ -98,6 +99,49 @@ def test_attention_over_quantised_blocks_stays_close(bits: int, tolerance: float
     key, _ = cache.read(0, mixed.kv_slots, mixed.cold_blocks)
     full, _ = cache.read(0, hot_only.kv_slots)
     assert key.shape == full.shape == (1, 2, length, 16)
+
+
+def test_centred_codes_are_the_codes_minus_the_middle_one() -> None:
+    for bits in (8, 4):
+        fmt = QuantFormat(bits)
+        codes = torch.arange(fmt.levels + 1, dtype=torch.uint8).repeat(2)[None, :]  # (1, 2 * levels)
+        packed = (
+            codes if bits == 8 else codes[:, : codes.shape[1] // 2] | (codes[:, codes.shape[1] // 2 :] << 4)
+        )
+        assert torch.equal(centred(packed, fmt).long(), codes.long() - fmt.zero)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_bf16_decode_attention_over_long_quantised_histories_matches_fp32(bits: int) -> None:
+    """bf16 cache, two sequences of 12 cold blocks: against fp32 attention over the same
+    dequantised keys and values. Long histories average values towards zero, where a weighted
+    sum of raw codes would cancel against the minimums and lose the result to bf16 rounding."""
+    shape, size, fmt = KVShape(1, 2, 32, torch.bfloat16), 16, QuantFormat(bits)
+    cache = KVCache(shape, 4, size, torch.device("cpu"), ColdStore(shape, fmt, 24, size, torch.device("cpu")))
+    gen = torch.Generator().manual_seed(5)
+    blocks = torch.randn(2, 1, 24, size, 2, 32, generator=gen).to(torch.bfloat16)  # keys, values
+    cache.cold.store(blocks[0], blocks[1], torch.arange(24))
+    cache.keys.copy_(torch.randn(cache.keys.shape, generator=gen))
+    cache.values.copy_(torch.randn(cache.values.shape, generator=gen))
+    seqs = [SeqSlice(i, 1, slots_of([i], 8, size), torch.arange(12) + 12 * i, 12 * size) for i in range(2)]
+    group = group_decodes(seqs, 2, size, torch.device("cpu"))[0]
+    query = torch.randn(4, 2, 32, generator=gen).to(torch.bfloat16)
+    out = decode_attention(query, cache, 0, group, 32**-0.5).float()
+    for seq in seqs:
+        cold = torch.arange(12) + 12 * seq.q_start
+        codes, scale, low = quantize_keys(blocks[0, 0, cold].float(), fmt)
+        keys = torch.cat(
+            (dequantize_keys(codes, scale, low, fmt).flatten(0, 1), cache.keys[0, seq.kv_slots].float())
+        )
+        codes, scale, low = quantize_values(blocks[1, 0, cold].float(), fmt)
+        values = torch.cat(
+            (dequantize_values(codes, scale, low, fmt).flatten(0, 1), cache.values[0, seq.kv_slots].float())
+        )
+        q = query[:, seq.q_start].float().view(2, 2, 32)  # (KVH, G, D)
+        probs = torch.softmax(q @ keys.permute(1, 2, 0) * 32**-0.5, dim=-1)  # (KVH, G, L)
+        reference = (probs @ values.transpose(0, 1)).reshape(4, 32)
+        row = int((group.rows == seq.q_start).nonzero())
+        assert float((out[row] - reference).abs().max()) < 0.02 * float(reference.abs().max())
 
 
 @pytest.fixture(scope="module")
