@@ -13,16 +13,23 @@ Scenarios: `burst` (every request arrives at t=0) and `stream` (open-loop Poisso
 one-at-a-time generate serves them in arrival order; static batches and `generate_batch` cannot
 take a stream and run the burst only).
 Plus `ttft_isolation`: a short request's time to first token alone vs while long prompts prefill.
+Each variant runs in a fresh process of its own (`--no-isolate`: all in this one), so none inherits
+another's heap: `generate_batch` alone grows this process past 10 GiB.
 
     python -m bench.engine_bench --docs 32 --new-tokens 96 --out bench/results/engine-cpu.json
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import dataclasses
 import json
 import platform
 import random
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -266,6 +273,38 @@ def ttft_isolation(
     return asyncio.run(go())
 
 
+VARIANTS = ("hf_generate_1", "hf_generate_static4", "hf_generate_batch", "engine_static", "engine_dynamic",
+            "engine_dynamic_noprefix")  # fmt: skip
+BURST_ONLY = ("hf_generate_static4", "hf_generate_batch")  # they cannot take a stream
+
+
+def planned(variants: list[str], scenarios: list[str]) -> list[tuple[str, str]]:
+    """(variant, scenario) in the order they run."""
+    return [
+        (v, scenario)
+        for scenario in ("burst", "stream")
+        if scenario in scenarios
+        for v in VARIANTS
+        if v in variants and (scenario == "burst" or v not in BURST_ONLY)
+    ]
+
+
+def in_child(args: Any, variants: str, scenarios: str, isolation: bool) -> dict[str, Any]:
+    """Runs part of the benchmark in a fresh interpreter; its JSON."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "part.json"
+        options = ["--model", str(args.model), "--dtype", args.dtype, "--docs", str(args.docs),
+                   "--new-tokens", str(args.new_tokens), "--max-batch", str(args.max_batch),
+                   "--step-tokens", str(args.step_tokens), "--rate", str(args.rate)]  # fmt: skip
+        subprocess.run(  # noqa: S603 (this interpreter, this module)
+            [sys.executable, "-m", "bench.engine_bench", "--no-isolate", "--part", "--variants", variants,
+             "--scenarios", scenarios, "--ttft-isolation" if isolation else "--no-ttft-isolation",
+             "--out", str(out), *options],
+            check=True,
+        )  # fmt: skip
+        return dict(json.loads(out.read_text()))
+
+
 def main() -> None:
     parser = common.parser(__doc__)
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
@@ -280,13 +319,30 @@ def main() -> None:
         "engine_dynamic_noprefix",
     )
     parser.add_argument("--scenarios", default="burst,stream")
+    parser.add_argument(
+        "--isolate", action=argparse.BooleanOptionalAction, default=True, help="a fresh process per variant"
+    )
+    parser.add_argument("--ttft-isolation", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--part", action="store_true", help=argparse.SUPPRESS)  # a child: JSON only
     parser.add_argument("--out", type=Path, default=Path("bench/results/engine.json"))
     args = parser.parse_args()
     console = Console(width=150)
     args.model = common.model_path(args.model)
+    variants = args.variants.split(",")
+    isolating = args.ttft_isolation and "engine_dynamic" in variants
+    if args.isolate:
+        fields = {f.name for f in dataclasses.fields(Run)}
+        runs = [
+            Run(**{k: v for k, v in r.items() if k in fields})
+            for variant, scenario in planned(variants, args.scenarios.split(","))
+            for r in in_child(args, variant, scenario, False)["runs"]
+        ]
+        isolation = in_child(args, "engine_dynamic", "none", True)["ttft_isolation"] if isolating else []
+        report(args, runs, isolation, console)
+        return
     loaded = load_model(args.model, dtype=args.dtype)
     prompts = load_prompts(loaded, args.docs)
-    n, variants = args.new_tokens, args.variants.split(",")
+    n = args.new_tokens
     burst = [0.0] * len(prompts)
     stream = arrivals(len(prompts), args.rate)
     plan: list[tuple[str, str, Callable[[], Run]]] = []
@@ -317,12 +373,22 @@ def main() -> None:
         console.print(f"  {run.row()['tok_s']:.1f} tok/s in {run.wall_s:.1f} s")
     isolation = (
         [ttft_isolation(loaded, args.max_batch, args.step_tokens, p) for p in (True, False)]
-        if "engine_dynamic" in variants
+        if isolating
         else []
     )
+    report(args, runs, isolation, console)
 
+
+def report(args: Any, runs: list[Run], isolation: list[dict[str, Any]], console: Console) -> None:
+    """The table, the ratios and the JSON (a child process writes the JSON only)."""
+    if args.part:
+        args.out.write_text(
+            json.dumps({"runs": [asdict(r) for r in runs], "ttft_isolation": isolation}, default=str)
+        )
+        return
+    n = args.new_tokens
     table = Table("variant", "scenario", "tok/s", "req/s", "p50 s", "p95 s", "TTFT p50", "TTFT p95", "peak RSS MiB", "KV MiB",
-                  title=f"{len(prompts)} documents x {n} tokens, {args.dtype}, {torch.get_num_threads()} threads")  # fmt: skip
+                  title=f"{args.docs} documents x {n} tokens, {args.dtype}, {torch.get_num_threads()} threads")  # fmt: skip
     for run in runs:
         r = run.row()
         table.add_row(r["variant"], r["scenario"], f"{r['tok_s']:.1f}", f"{r['req_s']:.3f}", f"{r['p50_s']:.1f}",
