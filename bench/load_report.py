@@ -132,9 +132,15 @@ def markdown(payload: dict[str, Any], levels: list[Level], plots: list[str]) -> 
         f"rises level by level ({payload['level_s']:.0f} s of arrivals, at least {payload['min_docs']} documents "
         f"each) until P95 latency exceeds the SLO of {payload['slo_s']:.0f} s or more than 1 % of documents are not "
         f"answered within {payload['deadline_s']:.0f} s"
-        + (", each configuration starting at the previous one's highest stable load" if payload["skip_held_loads"] else "")
+        + (f", the first configuration starting at {payload['start']:g}/min (one step down the grid at a time if "
+           "that does not hold)" if payload.get("start") else "")
+        + (", each next configuration starting at the lowest load the previous one failed (stepping down if it "
+           "cannot hold that)" if payload["skip_held_loads"] else "")
+        + (". Levels follow each other without a pause (a staircase: documents still in flight from one level "
+           "meet the next), and the sweep stops once a level is known to fail" if payload.get("staircase") else "")
         + f". KV pool {payload['kv_pool_mib']} MiB and MAX_BATCH_SIZE {payload['max_batch_size']} for every "
-        "configuration; six unmeasured warm-up documents (one per kind and language) first. Throughput = "
+        "configuration; before measuring, each worker reports every grammar compiled and answers one unmeasured "
+        "warm-up document. Throughput = "
         "documents answered within the deadline per minute of the arrival window; concurrency = mean documents "
         "in flight over the window (sum of latencies / window).", "",
         "## Configurations, at their highest stable load", "",

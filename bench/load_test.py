@@ -3,9 +3,11 @@
 
 For each configuration - one request at a time (`DYNAMIC_BATCHING=false`), dynamic batching, and
 dynamic batching with `KV_COMPRESSION=true` - a fresh worker process on topics of its own, the same
-KV pool size for all; after one unmeasured warm-up document, a sweep of rising offered load (five
-departments, open-loop Poisson arrivals) that stops at the first level whose P95 latency exceeds
-the SLO or where more than 1 % of documents are not answered within the deadline; then the
+KV pool size for all. Once the worker reports its grammars compiled and has answered one unmeasured
+warm-up document: a sweep of rising offered load (five departments, open-loop Poisson arrivals)
+that stops at the first level whose P95 latency exceeds the SLO or where more than 1 % of documents
+are not answered within the deadline (the quick profile runs the levels as a staircase, without
+draining in between, and starts higher up the grid, stepping down if nothing holds); then the
 article's burst (one sender, 15 documents of different lengths back to back).
 Writes `load-report.md`, `load.json` (every document: when sent, what came back, when) and two
 PNG plots into `--out-dir`. Embedded broker by default; `KAFKA_BOOTSTRAP_SERVERS` for any Kafka.
@@ -56,13 +58,15 @@ CONFIGS = {  # name -> (label, environment)
     "dynamic": ("dynamic batching", {"dynamic_batching": True, "kv_compression": False}),
     "dynamic_kv": ("dynamic batching + KV compression", {"dynamic_batching": True, "kv_compression": True}),
 }
-# Offered loads (documents/min), seconds of arrivals per level (at least `min_docs` documents),
-# which configurations run the burst, and whether a configuration skips the loads below the
-# previous one's highest stable load (quick: they cost minutes and the previous one held them).
+# Offered loads (documents/min), the first configuration's first load, seconds of arrivals per
+# level (at least `min_docs` documents), which configurations run the burst, whether a
+# configuration starts at the lowest load the previous one failed (quick: the loads below cost
+# minutes, and that one is run by both), and whether levels follow each other undrained.
 PROFILES: dict[str, dict[str, Any]] = {
-    "quick": {"rates": [1.5, 3.0, 6.0, 12.0, 24.0], "level_s": 60.0, "min_docs": 4, "burst": ["dynamic"], "skip": True},
-    "full": {"rates": [1.5, 3.0, 6.0, 12.0, 24.0, 48.0, 96.0], "level_s": 600.0, "min_docs": 10,
-             "burst": list(CONFIGS), "skip": False},
+    "quick": {"rates": [1.5, 3.0, 6.0, 12.0, 24.0], "start": 3.0, "level_s": 45.0, "min_docs": 3,
+              "burst": ["dynamic"], "skip": True, "staircase": False},
+    "full": {"rates": [1.5, 3.0, 6.0, 12.0, 24.0, 48.0, 96.0], "start": None, "level_s": 600.0, "min_docs": 10,
+             "burst": list(CONFIGS), "skip": False, "staircase": False},
 }  # fmt: skip
 
 
@@ -149,12 +153,68 @@ async def send_level(
     return list(await asyncio.gather(*acks))
 
 
-def warm_up_docs(corpus: list[CorpusDoc]) -> list[CorpusDoc]:
-    """The shortest document of each kind and language."""
-    shortest: dict[tuple[str, str], CorpusDoc] = {}
-    for d in sorted(corpus, key=lambda d: len(d.text)):
-        shortest.setdefault((d.kind.value, d.language.value), d)
-    return list(shortest.values())
+def _get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310 (http://127.0.0.1)
+        return json.load(response)
+
+
+async def wait_until_prepared(
+    status_url: str | None, proc: subprocess.Popen[bytes], name: str, timeout_s: float = 600.0
+) -> None:
+    """Until the worker's /api/status says it is ready with every grammar compiled (a stand-in
+    worker without a status endpoint is taken as prepared)."""
+    deadline = time.monotonic() + timeout_s
+    while status_url is not None:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name}: the worker exited with {proc.returncode} while starting")
+        with contextlib.suppress(OSError, ValueError):
+            status = await asyncio.to_thread(_get_json, status_url)
+            if status.get("status") == "ready" and status.get("grammars_ready"):
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{name}: the worker was not ready within {timeout_s:.0f} s")
+        await asyncio.sleep(0.5)
+
+
+def next_start(levels: list[Level], grid: list[float]) -> float:
+    """Where the next configuration's sweep starts: the lowest load this one failed above its
+    highest stable load (both then have run it, for the same-load comparison; the next one steps
+    down if it cannot hold it), or that stable load if it failed none."""
+    held = max_stable(levels)
+    floor = held.offered_per_min if held is not None else grid[0]
+    failed = [lv.offered_per_min for lv in levels if not lv.stable and lv.offered_per_min > floor]
+    return min(failed, default=floor)
+
+
+async def idle(
+    collector: Collector,
+    staged: list[tuple[int, float, float, list[Sent]]],
+    progress: Progress,
+    task: Any,
+    name: str,
+) -> None:
+    """Until the worker has answered everything sent so far, late or not (at most 5 minutes), so
+    that what is measured next does not queue behind an overloaded level's backlog."""
+    progress.update(task, description=f"{name}: waiting for the backlog")
+    await drain(collector, [d for lv in staged for d in lv[3]], 300.0)
+
+
+def known_unstable(sent: list[Sent], collector: Collector, deadline_s: float, slo_s: float) -> bool:
+    """Whether a level already fails the stability rule, whatever its unanswered documents do:
+    more than 1 % of them past the deadline, or enough past the SLO that P95 must exceed it."""
+    now_ms = time.time() * 1000
+    over = failed = measured = 0
+    for s in sent:
+        collector.resolve(s)
+        if s.answer == "dead_letter":
+            continue  # counted apart, not in the latencies
+        measured += 1
+        waited = (
+            s.latency_s if s.answer is not None and s.latency_s is not None else (now_ms - s.sent_ms) / 1000
+        )
+        over += waited > slo_s
+        failed += waited > deadline_s
+    return failed > 0.01 * len(sent) or (measured > 0 and over > measured - math.ceil(0.95 * measured))
 
 
 def burst_docs(corpus: list[CorpusDoc], n: int) -> list[CorpusDoc]:
@@ -188,27 +248,50 @@ async def run_config(
             watch = Watch(proc.pid, url)
             tasks.append(asyncio.create_task(watch.run(stop)))
             sender = Sender(settings, producer, name)
-            # Unmeasured: model load, self-test, and one grammar compile per kind and language.
-            warm = [await (await sender.send(d, "warm-up", -1)) for d in warm_up_docs(corpus)]
-            while not all(collector.resolve(w) for w in warm):
+            # Unmeasured: model load and self-test, every grammar compiled (the worker does it in the
+            # background and says so in /api/status), then one short document through the path.
+            await wait_until_prepared(url, proc, name)
+            warm = await (await sender.send(min(corpus, key=lambda d: len(d.text)), "warm-up", -1))
+            while not collector.resolve(warm):
                 if proc.poll() is not None:
                     raise RuntimeError(f"{name}: the worker exited with {proc.returncode} before answering")
                 await asyncio.sleep(0.5)
-            for rate in rates:
+            staged: list[tuple[int, float, float, list[Sent]]] = []  # (level, rate, window, sent)
+
+            async def run_level(rate: float) -> list[Sent]:
                 level = args.rates.index(rate)
                 arrivals = schedule(rate, args.level_s, corpus, seed=1000 + level, min_count=args.min_docs)
-                window = max(args.level_s, arrivals[-1].at_s)
                 progress.update(
                     task, description=f"{name}: {rate:g} docs/min", total=len(arrivals), completed=0
                 )
                 sent = await send_level(sender, arrivals, level, lambda: progress.advance(task), proc)
-                progress.update(task, description=f"{name}: {rate:g} docs/min, draining")
-                await drain(collector, sent, args.deadline_s)
+                staged.append((level, rate, max(args.level_s, arrivals[-1].at_s), sent))
+                return sent
+
+            for rate in rates:
+                sent = await run_level(rate)
+                if args.staircase:  # the next level follows at once; stop when one is known to fail
+                    if any(known_unstable(lv[3], collector, args.deadline_s, args.slo_s) for lv in staged):
+                        break
+                else:
+                    await drain(collector, sent, args.deadline_s)
+                    if not summarise(name, 0, rate, 1.0, sent, args.deadline_s, args.slo_s).stable:
+                        break
+            progress.update(task, description=f"{name}: draining")
+            await drain(collector, [d for lv in staged for d in lv[3]], args.deadline_s)
+            # Nothing held at the first load tried: step down the grid until a load holds.
+            lower = [r for r in args.rates if r < rates[0]]
+            while lower and not any(
+                summarise(name, lv[0], lv[1], lv[2], lv[3], args.deadline_s, args.slo_s).stable
+                for lv in staged
+            ):
+                await idle(collector, staged, progress, task, name)
+                await drain(collector, await run_level(lower.pop()), args.deadline_s)
+            for level, rate, window, sent in sorted(staged, key=lambda lv: lv[1]):
                 docs += sent
                 levels.append(summarise(name, level, rate, window, sent, args.deadline_s, args.slo_s))
-                if not levels[-1].stable:
-                    break
             if name in args.burst_configs:
+                await idle(collector, staged, progress, task, name)
                 progress.update(
                     task, description=f"{name}: burst of {args.burst}", total=args.burst, completed=0
                 )
@@ -285,12 +368,11 @@ async def main_async(args: Any, console: Console) -> tuple[dict[str, Any], list[
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         results = []
         with Progress(*columns, console=console) as progress:
-            rates = args.rates
+            rates = [r for r in args.rates if args.start is None or r >= args.start] or args.rates[-1:]
             for name in args.configs:
                 results.append(await run_config(name, servers, args, corpus, progress, args.out_dir, rates))
-                held = max_stable(results[-1][1])
-                if args.skip and held is not None:
-                    rates = [r for r in args.rates if r >= held.offered_per_min]
+                if args.skip:
+                    rates = [r for r in args.rates if r >= next_start(results[-1][1], args.rates)]
     configs = [r[0] for r in results]
     levels = [lv for r in results for lv in r[1]]
     docs = [d for r in results for d in r[2]]
@@ -299,7 +381,7 @@ async def main_async(args: Any, console: Console) -> tuple[dict[str, Any], list[
     payload = {
         "profile": args.profile, "started": started, "wall_s": time.perf_counter() - t0,
         "machine": machine(args, broker), "departments": list(DEPARTMENTS), "corpus_docs": len(corpus),
-        "rates_per_min": args.rates, "level_s": args.level_s, "min_docs": args.min_docs, "skip_held_loads": args.skip, "deadline_s": args.deadline_s, "slo_s": args.slo_s,
+        "rates_per_min": args.rates, "level_s": args.level_s, "min_docs": args.min_docs, "skip_held_loads": args.skip, "start": args.start, "staircase": args.staircase, "deadline_s": args.deadline_s, "slo_s": args.slo_s,
         "kv_pool_mib": args.kv_pool_mib, "max_batch_size": args.max_batch, "configs": configs,
         "levels": [asdict(lv) | {"failure_rate": lv.failure_rate} for lv in levels],
         "max_stable": {c["name"]: asdict(s) if (s := max_stable([lv for lv in levels if lv.config == c["name"]])) else None for c in configs},
@@ -326,7 +408,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-docs", type=int, help="documents per level at least (profile default)")
     parser.add_argument(
         "--skip-held-loads", dest="skip", action=argparse.BooleanOptionalAction, default=None,
-        help="start each configuration at the previous one's highest stable load (profile default)",
+        help="start each configuration at the lowest load the previous one failed (profile default)",
+    )  # fmt: skip
+    parser.add_argument("--start", type=float, help="the first configuration's first load (profile default)")
+    parser.add_argument(
+        "--staircase", action=argparse.BooleanOptionalAction, default=None,
+        help="levels follow each other without draining in between (profile default)",
     )  # fmt: skip
     parser.add_argument("--burst", type=int, default=15, help="documents in the one-sender burst")
     parser.add_argument("--burst-configs", help="configurations that run the burst (profile default)")
@@ -358,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     args.level_s = args.level_s or profile["level_s"]
     args.min_docs = args.min_docs if args.min_docs is not None else profile["min_docs"]
     args.skip = args.skip if args.skip is not None else profile["skip"]
+    args.start = args.start if args.start is not None else profile["start"]
+    args.staircase = args.staircase if args.staircase is not None else profile["staircase"]
     args.burst_configs = args.burst_configs.split(",") if args.burst_configs is not None else profile["burst"]
     if args.worker == "pipeline":
         args.model = common.model_path(args.model)

@@ -8,13 +8,15 @@ import itertools
 import json
 import math
 import statistics
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from bench.load_gen import DEPARTMENTS, Sent, load_corpus, schedule
-from bench.load_report import max_stable, outcome, percentile, summarise
-from bench.load_test import burst_docs, main
+from bench.load_report import Level, max_stable, outcome, percentile, summarise
+from bench.load_test import burst_docs, known_unstable, main, next_start
 
 
 def test_the_corpus_is_the_articles_range_of_lengths_in_both_languages_and_all_kinds() -> None:
@@ -63,6 +65,30 @@ def test_a_level_is_stable_while_p95_is_within_the_slo_and_at_most_one_percent_t
     assert max_stable([fast, slow]) is fast
     assert max_stable([slow]) is None
     assert percentile([1.0, 2.0, 3.0, math.inf], 50) == 2.0
+
+
+def test_a_staircase_level_is_known_to_fail_before_its_last_answers_arrive() -> None:
+    collector = SimpleNamespace(resolve=lambda s: s.answer is not None)
+    in_time = [_sent(10.0) for _ in range(5)]
+    just_sent = Sent("e", "d", "c", 0, "legal", "complaint", "en", 500, sent_ms=time.time() * 1000)
+    assert not known_unstable([*in_time, just_sent], collector, 60.0, 45.0)  # it may still make it
+    assert not known_unstable([*in_time, _sent(2.0, "dead_letter")], collector, 60.0, 45.0)
+    assert known_unstable([*in_time, _sent(None)], collector, 60.0, 45.0)  # long past the deadline
+    assert known_unstable([*in_time, _sent(50.0)], collector, 60.0, 45.0)  # P95 of six is the slowest
+    assert not known_unstable([_sent(10.0)] * 39 + [_sent(50.0)], collector, 60.0, 45.0)  # P95 of 40: 10 s
+
+
+def test_the_next_configuration_starts_where_the_previous_one_first_failed() -> None:
+    grid = [1.5, 3.0, 6.0, 12.0]
+    ok, bad = [_sent(10.0)] * 4, [_sent(None)] * 4
+
+    def level(rate: float, docs: list[Sent]) -> Level:
+        return summarise("c", 0, rate, 60.0, docs, 60.0, 45.0)
+
+    assert next_start([level(3.0, ok), level(6.0, bad)], grid) == 6.0
+    assert next_start([level(3.0, bad), level(1.5, ok)], grid) == 3.0  # stepped down, then held
+    assert next_start([level(3.0, ok), level(6.0, ok)], grid) == 6.0  # held everything it ran
+    assert next_start([level(3.0, bad), level(1.5, bad)], grid) == 3.0
 
 
 def test_the_burst_spans_the_corpus_from_shortest_to_longest() -> None:
