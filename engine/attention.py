@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, head_major_rows
 
 ATTENTION_NAME = "deepanalyze_paged"
 
@@ -88,10 +88,9 @@ def _decode_group(decodes: list[SeqSlice], kv_heads: int, block: int, device: to
             padding[i, 0, 0, : d.cold_tokens] = False
     # Row of (slot, head) in the cache viewed as (slots * KVH, D), ordered (B, KVH, Lmax): one gather
     # gives each (sequence, KV head) its history contiguously, as the batched matmuls want it.
-    heads = torch.arange(kv_heads)[None, :, None]
-    head_rows = (slots[:, None, :] * kv_heads + heads).flatten().to(device)
+    head_rows = head_major_rows(slots, kv_heads).to(device)
     # Likewise for quantised blocks, a row holding one KV head's tokens of one block.
-    cold_rows = (blocks[:, None, :] * kv_heads + heads).flatten().to(device) if cold else None
+    cold_rows = head_major_rows(blocks, kv_heads).to(device) if cold else None
     rows = torch.tensor([d.q_start for d in decodes], dtype=torch.long, device=device)
     return DecodeGroup(
         rows, head_rows, padding.to(device) if bool(padding.any()) else None, longest, cold_rows, cold

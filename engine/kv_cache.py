@@ -187,11 +187,18 @@ class KVCache:
         value = self.values[layer].index_select(0, slots).transpose(0, 1)
         if cold_blocks is not None and self.cold is not None and cold_blocks.numel():
             heads = self.shape.num_kv_heads
-            head = torch.arange(heads, device=cold_blocks.device)[:, None]
-            rows = (cold_blocks[None, :] * heads + head).flatten()  # (KVH * m,), head-major
-            cold = self.cold.gathered(layer, rows, heads)  # (KVH, m * bs, D)
+            cold = self.cold.gathered(
+                layer, head_major_rows(cold_blocks[None, :], heads), heads
+            )  # (KVH, m * bs, D)
             key, value = torch.cat((cold.keys, key), dim=1), torch.cat((cold.values(), value), dim=1)
         return key.unsqueeze(0), value.unsqueeze(0)
+
+
+def head_major_rows(index: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows of a (n, KVH, ...) tensor viewed as (n * KVH, ...) for `index` (B, L) of n, ordered
+    (B, KVH, L): one gather then gives each (sequence, KV head) its tokens or blocks in order."""
+    head = torch.arange(heads, device=index.device)[None, :, None]
+    return (index[:, None, :] * heads + head).flatten()
 
 
 def slots_of(table: list[int], num_tokens: int, block_size: int, start: int = 0) -> torch.Tensor:
