@@ -15,6 +15,11 @@ take a stream and run the burst only).
 Plus `ttft_isolation`: a short request's time to first token alone vs while long prompts prefill.
 Each variant runs in a fresh process of its own (`--no-isolate`: all in this one), so none inherits
 another's heap: `generate_batch` alone grows this process past 10 GiB.
+This machine's timings vary by several per cent from run to run, so the runs the headline ratios
+rest on (one-at-a-time `generate` and our engine on the burst, and the TTFT isolation) run in
+`--repeats` rounds, each round's two runs back to back: the ratio is taken within each round and
+the report gives the median round (and every round in the JSON); the table shows each variant's
+median run. Every other run happens once.
 
     python -m bench.engine_bench --docs 32 --new-tokens 96 --out bench/results/engine-cpu.json
 """
@@ -32,7 +37,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +65,7 @@ class Run:
     peak_rss_mib: float
     kv_bytes: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    round: int = 0  # which repetition of the headline runs (0: the first, where every variant runs)
 
     def row(self) -> dict[str, Any]:
         return {
@@ -75,6 +80,12 @@ class Run:
             "peak_rss_mib": self.peak_rss_mib,
             "kv_mib": None if self.kv_bytes is None else self.kv_bytes / 2**20,
         }
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -276,6 +287,7 @@ def ttft_isolation(
 VARIANTS = ("hf_generate_1", "hf_generate_static4", "hf_generate_batch", "engine_static", "engine_dynamic",
             "engine_dynamic_noprefix")  # fmt: skip
 BURST_ONLY = ("hf_generate_static4", "hf_generate_batch")  # they cannot take a stream
+HEADLINE = (("hf_generate_1", "burst"), ("engine_dynamic", "burst"))  # repeated: the ratio rests on them
 
 
 def planned(variants: list[str], scenarios: list[str]) -> list[tuple[str, str]]:
@@ -287,6 +299,20 @@ def planned(variants: list[str], scenarios: list[str]) -> list[tuple[str, str]]:
         for v in VARIANTS
         if v in variants and (scenario == "burst" or v not in BURST_ONLY)
     ]
+
+
+def schedule(variants: list[str], scenarios: list[str], repeats: int) -> list[tuple[int, str, str]]:
+    """(round, variant, scenario) in the order they run: everything in round 0, then the headline
+    runs again in each further round."""
+    first = planned(variants, scenarios)
+    again = [pair for pair in first if pair in HEADLINE]
+    return [(0, *pair) for pair in first] + [(r, *pair) for r in range(1, repeats) for pair in again]
+
+
+def median_run(runs: list[Run]) -> Run:
+    """The run with the median tokens/s (the lower middle one of an even count)."""
+    ordered = sorted(runs, key=lambda r: r.tokens / r.wall_s)
+    return ordered[(len(ordered) - 1) // 2]
 
 
 def in_child(args: Any, variants: str, scenarios: str, isolation: bool) -> dict[str, Any]:
@@ -319,6 +345,7 @@ def main() -> None:
         "engine_dynamic_noprefix",
     )
     parser.add_argument("--scenarios", default="burst,stream")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of the headline runs (medians)")
     parser.add_argument(
         "--isolate", action=argparse.BooleanOptionalAction, default=True, help="a fresh process per variant"
     )
@@ -326,56 +353,55 @@ def main() -> None:
     parser.add_argument("--part", action="store_true", help=argparse.SUPPRESS)  # a child: JSON only
     parser.add_argument("--out", type=Path, default=Path("bench/results/engine.json"))
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
     console = Console(width=150)
     args.model = common.model_path(args.model)
     variants = args.variants.split(",")
     isolating = args.ttft_isolation and "engine_dynamic" in variants
+    rounds = schedule(variants, args.scenarios.split(","), 1 if args.part else args.repeats)
     if args.isolate:
         fields = {f.name for f in dataclasses.fields(Run)}
-        runs = [
-            Run(**{k: v for k, v in r.items() if k in fields})
-            for variant, scenario in planned(variants, args.scenarios.split(","))
-            for r in in_child(args, variant, scenario, False)["runs"]
-        ]
-        isolation = in_child(args, "engine_dynamic", "none", True)["ttft_isolation"] if isolating else []
+        runs = []
+        for round_, variant, scenario in rounds:
+            for r in in_child(args, variant, scenario, False)["runs"]:
+                runs.append(Run(**{k: v for k, v in r.items() if k in fields} | {"round": round_}))
+        isolation = (
+            [iso | {"round": round_} for round_ in range(args.repeats)
+             for iso in in_child(args, "engine_dynamic", "none", True)["ttft_isolation"]]
+            if isolating else []
+        )  # fmt: skip
         report(args, runs, isolation, console)
         return
     loaded = load_model(args.model, dtype=args.dtype)
     prompts = load_prompts(loaded, args.docs)
     n = args.new_tokens
-    burst = [0.0] * len(prompts)
-    stream = arrivals(len(prompts), args.rate)
-    plan: list[tuple[str, str, Callable[[], Run]]] = []
-    for scenario, at in (("burst", burst), ("stream", stream)):
-        if scenario not in args.scenarios.split(","):
-            continue
-        if "hf_generate_1" in variants:
-            plan.append(("hf_generate_1", scenario, lambda at=at: hf_generate(loaded, prompts, n, at, 1)))
-        if "hf_generate_static4" in variants and scenario == "burst":
-            plan.append(
-                ("hf_generate_static4", scenario, lambda at=at: hf_generate(loaded, prompts, n, at, 4))
-            )
-        if "hf_generate_batch" in variants and scenario == "burst":
-            plan.append(("hf_generate_batch", scenario, lambda: hf_generate_batch(loaded, prompts, n)))
-        engines = (("engine_static", False, True), ("engine_dynamic", True, True),
-                   ("engine_dynamic_noprefix", True, False))  # fmt: skip
-        for name, dynamic, prefix in engines:
-            if name in variants:
-                plan.append((name, scenario, lambda at=at, d=dynamic, p=prefix: engine_run(
-                    loaded, prompts, n, at, d, args.max_batch, args.step_tokens, p)))  # fmt: skip
+    at = {"burst": [0.0] * len(prompts), "stream": arrivals(len(prompts), args.rate)}
+
+    def variant_run(variant: str, scenario: str) -> Run:
+        if variant == "hf_generate_1":
+            return hf_generate(loaded, prompts, n, at[scenario], 1)
+        if variant == "hf_generate_static4":
+            return hf_generate(loaded, prompts, n, at[scenario], 4)
+        if variant == "hf_generate_batch":
+            return hf_generate_batch(loaded, prompts, n)
+        dynamic, prefix = {"engine_static": (False, True), "engine_dynamic": (True, True),
+                           "engine_dynamic_noprefix": (True, False)}[variant]  # fmt: skip
+        return engine_run(loaded, prompts, n, at[scenario], dynamic, args.max_batch, args.step_tokens, prefix)
+
     runs = []
-    for name, scenario, fn in plan:
-        console.print(f"running {name} / {scenario} ...")
+    for round_, name, scenario in rounds:
+        console.print(f"running {name} / {scenario}{f' (round {round_ + 1})' if round_ else ''} ...")
         with PeakRSS() as rss:
-            run = fn()
-        run.variant, run.scenario, run.peak_rss_mib = name, scenario, rss.mib
+            run = variant_run(name, scenario)
+        run.variant, run.scenario, run.peak_rss_mib, run.round = name, scenario, rss.mib, round_
         runs.append(run)
         console.print(f"  {run.row()['tok_s']:.1f} tok/s in {run.wall_s:.1f} s")
-    isolation = (
-        [ttft_isolation(loaded, args.max_batch, args.step_tokens, p) for p in (True, False)]
-        if isolating
-        else []
-    )
+    isolation = []
+    if isolating:
+        for round_ in range(1 if args.part else args.repeats):
+            isolation += [ttft_isolation(loaded, args.max_batch, args.step_tokens, p) | {"round": round_}
+                          for p in (True, False)]  # fmt: skip
     report(args, runs, isolation, console)
 
 
@@ -387,46 +413,71 @@ def report(args: Any, runs: list[Run], isolation: list[dict[str, Any]], console:
         )
         return
     n = args.new_tokens
-    table = Table("variant", "scenario", "tok/s", "req/s", "p50 s", "p95 s", "TTFT p50", "TTFT p95", "peak RSS MiB", "KV MiB",
-                  title=f"{args.docs} documents x {n} tokens, {args.dtype}, {torch.get_num_threads()} threads")  # fmt: skip
+    groups: dict[tuple[str, str], list[Run]] = {}
     for run in runs:
-        r = run.row()
-        table.add_row(r["variant"], r["scenario"], f"{r['tok_s']:.1f}", f"{r['req_s']:.3f}", f"{r['p50_s']:.1f}",
+        groups.setdefault((run.variant, run.scenario), []).append(run)
+    medians = {key: median_run(group) for key, group in groups.items()}
+    table = Table("variant", "scenario", "runs", "tok/s", "req/s", "p50 s", "p95 s", "TTFT p50", "TTFT p95", "peak RSS MiB", "KV MiB",
+                  title=f"{args.docs} documents x {n} tokens, {args.dtype}, {torch.get_num_threads()} threads "
+                        "(the median run of each)")  # fmt: skip
+    for key, run in medians.items():
+        r, spread = run.row(), sorted(x.tokens / x.wall_s for x in groups[key])
+        tok = f"{r['tok_s']:.1f}" + (f" ({spread[0]:.1f}-{spread[-1]:.1f})" if len(spread) > 1 else "")
+        table.add_row(r["variant"], r["scenario"], str(len(spread)), tok, f"{r['req_s']:.3f}", f"{r['p50_s']:.1f}",
                       f"{r['p95_s']:.1f}", f"{r['ttft_p50_s']:.2f}", f"{r['ttft_p95_s']:.2f}", f"{r['peak_rss_mib']:.0f}",
                       "-" if r["kv_mib"] is None else f"{r['kv_mib']:.0f}")  # fmt: skip
     console.print(table)
-    base = {r.scenario: r for r in runs if r.variant == "hf_generate_1"}
-    peer = next((r for r in runs if r.variant == "hf_generate_batch"), None)
-    ratios = {}
-    for run in runs:
-        if run.variant == "engine_dynamic":
-            tok = run.tokens / run.wall_s
-            if run.scenario in base:
-                ratios[f"{run.scenario}: engine_dynamic / hf_generate_1 tok/s"] = tok / (
-                    base[run.scenario].tokens / base[run.scenario].wall_s
-                )
-            if peer is not None and run.scenario == "burst":
-                ratios["burst: engine_dynamic / hf_generate_batch tok/s"] = tok / (peer.tokens / peer.wall_s)
-            plain = next(
-                (r for r in runs if r.variant == "engine_dynamic_noprefix" and r.scenario == run.scenario),
-                None,
-            )
-            if plain is not None:
-                ratios[f"{run.scenario}: engine_dynamic / engine_dynamic_noprefix tok/s"] = tok / (
-                    plain.tokens / plain.wall_s
-                )
+
+    def tok_s(variant: str, scenario: str, round_: int | None = None) -> float | None:
+        """A run's tokens/s: of the given round, else the variant's median run."""
+        if round_ is None:
+            run = medians.get((variant, scenario))
+        else:
+            run = next((r for r in groups.get((variant, scenario), []) if r.round == round_), None)
+        return None if run is None else run.tokens / run.wall_s
+
+    # The headline ratio within each round (its two runs back to back), then the median round.
+    rounds: dict[str, list[float]] = {}
+    for round_ in sorted({r.round for r in runs}):
+        ours, base = tok_s("engine_dynamic", "burst", round_), tok_s("hf_generate_1", "burst", round_)
+        if ours is not None and base is not None:
+            rounds.setdefault("burst: engine_dynamic / hf_generate_1 tok/s", []).append(ours / base)
+    ratios = {key: _median(values) for key, values in rounds.items()}
+    for key, (num, den) in {
+        "stream: engine_dynamic / hf_generate_1 tok/s": (("engine_dynamic", "stream"), ("hf_generate_1", "stream")),
+        "burst: engine_dynamic / hf_generate_batch tok/s": (("engine_dynamic", "burst"), ("hf_generate_batch", "burst")),
+        "burst: engine_dynamic / engine_dynamic_noprefix tok/s": (("engine_dynamic", "burst"), ("engine_dynamic_noprefix", "burst")),
+        "stream: engine_dynamic / engine_dynamic_noprefix tok/s": (("engine_dynamic", "stream"), ("engine_dynamic_noprefix", "stream")),
+    }.items():  # fmt: skip
+        a, b = tok_s(*num), tok_s(*den)
+        if a is not None and b is not None:
+            ratios[key] = a / b
     for key, value in ratios.items():
-        console.print(f"{key}: {value:.2f}x")
+        each = (
+            f" (rounds: {', '.join(f'{v:.2f}x' for v in rounds[key])})"
+            if len(rounds.get(key, [])) > 1
+            else ""
+        )
+        console.print(f"{key}: {value:.2f}x{each}")
     for iso in isolation:
-        console.print(f"TTFT isolation, prefix caching {'on' if iso['prefix_caching'] else 'off'}: short request "
-                      f"({iso['short_prompt_tokens']} tokens) p95 alone {iso['solo_p95_s']:.2f} s, during long "
+        console.print(f"TTFT isolation, prefix caching {'on' if iso['prefix_caching'] else 'off'}, round {iso['round'] + 1}: "
+                      f"short request ({iso['short_prompt_tokens']} tokens) p95 alone {iso['solo_p95_s']:.2f} s, during long "
                       f"prefills {iso['busy_p95_s']:.2f} s ({iso['ratio']:.2f}x)")  # fmt: skip
+    isolation_median = {
+        ("prefix caching on" if on else "prefix caching off"): _median(
+            [iso["ratio"] for iso in isolation if iso["prefix_caching"] == on]
+        )
+        for on in sorted({iso["prefix_caching"] for iso in isolation}, reverse=True)
+    }
+    for key, value in isolation_median.items():
+        console.print(f"TTFT isolation, {key}: median ratio {value:.2f}x")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "machine": {"cpu_count": torch.get_num_threads(), "platform": platform.platform(), "torch": torch.__version__,
                     "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
         "config": vars(args) | {"model": str(args.model), "out": str(args.out)},
-        "runs": [asdict(r) | {"summary": r.row()} for r in runs], "ratios": ratios, "ttft_isolation": isolation,
+        "runs": [asdict(r) | {"summary": r.row()} for r in runs], "ratios": ratios, "ratio_rounds": rounds,
+        "ttft_isolation": isolation, "ttft_isolation_median_ratio": isolation_median,
     }, indent=2, default=str))  # fmt: skip
     console.print(f"wrote {args.out}")
 

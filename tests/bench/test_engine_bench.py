@@ -1,0 +1,33 @@
+"""The engine benchmark's plan of repeated runs and how it picks medians (no model needed)."""
+
+from __future__ import annotations
+
+from bench.engine_bench import Run, median_run, schedule
+
+
+def _run(variant: str, tok_s: float, round_: int = 0) -> Run:
+    return Run(variant, "burst", 10.0, int(tok_s * 10), [1.0], [0.1], 0.0, round=round_)
+
+
+def test_every_variant_runs_once_and_only_the_headline_pair_repeats() -> None:
+    plan = schedule(["hf_generate_1", "hf_generate_batch", "engine_dynamic"], ["burst", "stream"], 3)
+    first = [(v, s) for r, v, s in plan if r == 0]
+    assert first == [
+        ("hf_generate_1", "burst"),
+        ("hf_generate_batch", "burst"),
+        ("engine_dynamic", "burst"),
+        ("hf_generate_1", "stream"),
+        ("engine_dynamic", "stream"),
+    ]
+    for round_ in (1, 2):  # each further round: the two headline runs, back to back
+        assert [(v, s) for r, v, s in plan if r == round_] == [
+            ("hf_generate_1", "burst"),
+            ("engine_dynamic", "burst"),
+        ]
+    assert schedule(["engine_dynamic"], ["stream"], 3) == [(0, "engine_dynamic", "stream")]
+
+
+def test_the_median_run_is_the_middle_one_by_tokens_per_second() -> None:
+    runs = [_run("engine_dynamic", t, i) for i, t in enumerate((80.0, 70.0, 90.0))]
+    assert median_run(runs).round == 0
+    assert median_run(runs[:2]).round == 1  # an even count: the lower middle one
