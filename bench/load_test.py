@@ -2,13 +2,14 @@
 (`deepanalyze run`: engine, default model), analyses out of Kafka.
 
 For each configuration - one request at a time (`DYNAMIC_BATCHING=false`), dynamic batching, and
-dynamic batching with `KV_COMPRESSION=true` - a fresh worker process on topics of its own, the same
-KV pool size for all. Once the worker reports its grammars compiled and has answered one unmeasured
-warm-up document: a sweep of rising offered load (five departments, open-loop Poisson arrivals)
-that stops at the first level whose P95 latency exceeds the SLO or where more than 1 % of documents
-are not answered within the deadline (the quick profile runs the levels as a staircase, without
-draining in between, and starts higher up the grid, stepping down if nothing holds); then the
-article's burst (one sender, 15 documents of different lengths back to back).
+dynamic batching with `KV_COMPRESSION=true` - a worker process of its own on topics of its own, the
+same KV pool size for all. The workers start together, and each reports its grammars compiled and
+answers one unmeasured warm-up document; then, one configuration at a time while the others idle:
+a sweep of rising offered load (five departments, open-loop Poisson arrivals) that stops at the
+first level whose P95 latency exceeds the SLO or where more than 1 % of documents are not answered
+within the deadline (the quick profile starts higher up the grid and steps down if nothing holds),
+then the article's burst (one sender, 15 documents of different lengths back to back). A
+configuration's worker stops once it has been measured.
 Writes `load-report.md`, `load.json` (every document: when sent, what came back, when) and two
 PNG plots into `--out-dir`. Embedded broker by default; `KAFKA_BOOTSTRAP_SERVERS` for any Kafka.
 
@@ -117,7 +118,8 @@ def config_settings(servers: str, name: str, args: Any) -> Settings:
         topic_complaints=f"load{run}.complaints", topic_meeting_notes=f"load{run}.notes", topic_filings=f"load{run}.filings",
         topic_analysis=f"load{run}.analysis", topic_dead_letters=f"load{run}.dlq",
         status_port=_free_port(), kv_cache_bytes=args.kv_pool_mib * 2**20, max_batch_size=args.max_batch,
-        model_path=args.model, max_document_chars=args.max_document_chars, **CONFIGS[name][1],
+        model_path=args.model, max_document_chars=args.max_document_chars, shutdown_grace_s=0.0,
+        **CONFIGS[name][1],
     )  # fmt: skip
 
 
@@ -223,93 +225,120 @@ def burst_docs(corpus: list[CorpusDoc], n: int) -> list[CorpusDoc]:
     return [by_length[round(i * (len(by_length) - 1) / max(n - 1, 1))] for i in range(n)]
 
 
-async def run_config(
-    name: str,
-    servers: str,
-    args: Any,
-    corpus: list[CorpusDoc],
-    progress: Progress,
-    out_dir: Path,
-    rates: list[float],
-) -> tuple[dict[str, Any], list[Level], list[Sent], dict[str, Any] | None, tuple[int, int]]:
+@dataclass
+class Running:
+    """One configuration's worker process with its topics, producer, answer collector and watch."""
+
+    name: str
+    settings: Settings
+    proc: subprocess.Popen[bytes]
+    sender: Sender
+    collector: Collector
+    watch: Watch
+    stack: contextlib.AsyncExitStack
+
+    async def close(self) -> None:
+        await self.stack.aclose()
+
+
+async def start_config(name: str, servers: str, args: Any, out_dir: Path) -> Running:
+    """Topics, producer, collector and the worker of one configuration, all started; `close()`
+    stops them (the worker with SIGTERM, which abandons nothing that is still owed: by then every
+    document sent has been answered or is past its deadline)."""
     settings = config_settings(servers, name, args)
     await ensure_topics(settings)
-    producer = AIOKafkaProducer(**client_options(settings), acks="all", linger_ms=2, enable_idempotence=False)
-    await producer.start()
-    collector, stop = Collector(settings), asyncio.Event()
-    tasks = [asyncio.create_task(collector.run(stop))]
-    task = progress.add_task(f"{name}: starting", total=None)
+    stack = contextlib.AsyncExitStack()
+    try:
+        producer = AIOKafkaProducer(
+            **client_options(settings), acks="all", linger_ms=2, enable_idempotence=False
+        )
+        await producer.start()
+        stack.push_async_callback(producer.stop)
+        collector, stop = Collector(settings), asyncio.Event()
+        tasks = [asyncio.create_task(collector.run(stop))]
+
+        async def stop_tasks() -> None:
+            stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        stack.push_async_callback(stop_tasks)
+        proc = stack.enter_context(worker(settings, args.worker, out_dir / f"worker-{name}.log"))
+        url = None if args.worker != "pipeline" else f"http://127.0.0.1:{settings.status_port}/api/status"
+        watch = Watch(proc.pid, url)
+        tasks.append(asyncio.create_task(watch.run(stop)))
+    except BaseException:
+        await stack.aclose()
+        raise
+    return Running(name, settings, proc, Sender(settings, producer, name), collector, watch, stack)
+
+
+async def warm_up(run: Running, corpus: list[CorpusDoc], progress: Progress) -> None:
+    """Unmeasured: model load and self-test, every grammar compiled (the worker does it in the
+    background and says so in /api/status), then one short document through the whole path."""
+    task = progress.add_task(f"{run.name}: starting", total=None)
+    await wait_until_prepared(run.watch.status_url, run.proc, run.name)
+    progress.update(task, description=f"{run.name}: warm-up document")
+    warm = await (await run.sender.send(min(corpus, key=lambda d: len(d.text)), "warm-up", -1))
+    while not run.collector.resolve(warm):
+        if run.proc.poll() is not None:
+            raise RuntimeError(f"{run.name}: the worker exited with {run.proc.returncode} before answering")
+        await asyncio.sleep(0.5)
+    progress.update(task, description=f"{run.name}: ready, idle")
+    progress.remove_task(task)
+
+
+async def run_config(
+    run: Running, args: Any, corpus: list[CorpusDoc], progress: Progress, rates: list[float]
+) -> tuple[dict[str, Any], list[Level], list[Sent], dict[str, Any] | None, tuple[int, int]]:
+    name, proc, sender, collector, watch = run.name, run.proc, run.sender, run.collector, run.watch
+    task = progress.add_task(f"{name}: measuring", total=None)
     levels: list[Level] = []
     docs: list[Sent] = []
     burst = None
     try:
-        with worker(settings, args.worker, out_dir / f"worker-{name}.log") as proc:
-            url = None if args.worker != "pipeline" else f"http://127.0.0.1:{settings.status_port}/api/status"
-            watch = Watch(proc.pid, url)
-            tasks.append(asyncio.create_task(watch.run(stop)))
-            sender = Sender(settings, producer, name)
-            # Unmeasured: model load and self-test, every grammar compiled (the worker does it in the
-            # background and says so in /api/status), then one short document through the path.
-            await wait_until_prepared(url, proc, name)
-            warm = await (await sender.send(min(corpus, key=lambda d: len(d.text)), "warm-up", -1))
-            while not collector.resolve(warm):
-                if proc.poll() is not None:
-                    raise RuntimeError(f"{name}: the worker exited with {proc.returncode} before answering")
-                await asyncio.sleep(0.5)
-            staged: list[tuple[int, float, float, list[Sent]]] = []  # (level, rate, window, sent)
+        staged: list[tuple[int, float, float, list[Sent]]] = []  # (level, rate, window, sent)
 
-            async def run_level(rate: float) -> list[Sent]:
-                level = args.rates.index(rate)
-                arrivals = schedule(rate, args.level_s, corpus, seed=1000 + level, min_count=args.min_docs)
-                progress.update(
-                    task, description=f"{name}: {rate:g} docs/min", total=len(arrivals), completed=0
-                )
-                sent = await send_level(sender, arrivals, level, lambda: progress.advance(task), proc)
-                staged.append((level, rate, max(args.level_s, arrivals[-1].at_s), sent))
-                return sent
+        async def run_level(rate: float) -> list[Sent]:
+            level = args.rates.index(rate)
+            arrivals = schedule(rate, args.level_s, corpus, seed=1000 + level, min_count=args.min_docs)
+            progress.update(task, description=f"{name}: {rate:g} docs/min", total=len(arrivals), completed=0)
+            sent = await send_level(sender, arrivals, level, lambda: progress.advance(task), proc)
+            staged.append((level, rate, max(args.level_s, arrivals[-1].at_s), sent))
+            return sent
 
-            for rate in rates:
-                sent = await run_level(rate)
-                if args.staircase:  # the next level follows at once; stop when one is known to fail
-                    if any(known_unstable(lv[3], collector, args.deadline_s, args.slo_s) for lv in staged):
-                        break
-                else:
-                    await drain(collector, sent, args.deadline_s)
-                    if not summarise(name, 0, rate, 1.0, sent, args.deadline_s, args.slo_s).stable:
-                        break
-            progress.update(task, description=f"{name}: draining")
-            await drain(collector, [d for lv in staged for d in lv[3]], args.deadline_s)
-            # Nothing held at the first load tried: step down the grid until a load holds.
-            lower = [r for r in args.rates if r < rates[0]]
-            while lower and not any(
-                summarise(name, lv[0], lv[1], lv[2], lv[3], args.deadline_s, args.slo_s).stable
-                for lv in staged
-            ):
-                await idle(collector, staged, progress, task, name)
-                await drain(collector, await run_level(lower.pop()), args.deadline_s)
-            for level, rate, window, sent in sorted(staged, key=lambda lv: lv[1]):
-                docs += sent
-                levels.append(summarise(name, level, rate, window, sent, args.deadline_s, args.slo_s))
-            if name in args.burst_configs:
-                await idle(collector, staged, progress, task, name)
-                progress.update(
-                    task, description=f"{name}: burst of {args.burst}", total=args.burst, completed=0
-                )
-                start_ms = int(time.time() * 1000)
-                acks = [
-                    await sender.send(d, "burst", len(args.rates)) for d in burst_docs(corpus, args.burst)
-                ]
-                sent = list(await asyncio.gather(*acks))
-                await drain(
-                    collector, sent, args.deadline_s * 3, lambda n: progress.update(task, completed=n)
-                )
-                docs += sent
-                burst = burst_summary(name, sent, start_ms, args.deadline_s * 3)
-            progress.update(task, description=f"{name}: done")
+        for rate in rates:
+            sent = await run_level(rate)
+            if args.staircase:  # the next level follows at once; stop when one is known to fail
+                if any(known_unstable(lv[3], collector, args.deadline_s, args.slo_s) for lv in staged):
+                    break
+            else:
+                await drain(collector, sent, args.deadline_s)
+                if not summarise(name, 0, rate, 1.0, sent, args.deadline_s, args.slo_s).stable:
+                    break
+        progress.update(task, description=f"{name}: draining")
+        await drain(collector, [d for lv in staged for d in lv[3]], args.deadline_s)
+        # Nothing held at the first load tried: step down the grid until a load holds.
+        lower = [r for r in args.rates if r < rates[0]]
+        while lower and not any(
+            summarise(name, lv[0], lv[1], lv[2], lv[3], args.deadline_s, args.slo_s).stable for lv in staged
+        ):
+            await idle(collector, staged, progress, task, name)
+            await drain(collector, await run_level(lower.pop()), args.deadline_s)
+        for level, rate, window, sent in sorted(staged, key=lambda lv: lv[1]):
+            docs += sent
+            levels.append(summarise(name, level, rate, window, sent, args.deadline_s, args.slo_s))
+        if name in args.burst_configs:
+            await idle(collector, staged, progress, task, name)
+            progress.update(task, description=f"{name}: burst of {args.burst}", total=args.burst, completed=0)
+            start_ms = int(time.time() * 1000)
+            acks = [await sender.send(d, "burst", len(args.rates)) for d in burst_docs(corpus, args.burst)]
+            sent = list(await asyncio.gather(*acks))
+            await drain(collector, sent, args.deadline_s * 3, lambda n: progress.update(task, completed=n))
+            docs += sent
+            burst = burst_summary(name, sent, start_ms, args.deadline_s * 3)
+        progress.update(task, description=f"{name}: done")
     finally:
-        stop.set()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await producer.stop()
+        await run.close()
     for s in docs:
         collector.resolve(s)  # late answers, for the record
     info = {
@@ -369,8 +398,22 @@ async def main_async(args: Any, console: Console) -> tuple[dict[str, Any], list[
         results = []
         with Progress(*columns, console=console) as progress:
             rates = [r for r in args.rates if args.start is None or r >= args.start] or args.rates[-1:]
-            for name in args.configs:
-                results.append(await run_config(name, servers, args, corpus, progress, args.out_dir, rates))
+            # Every worker starts and warms up at once (their waits overlap); each then idles until
+            # its turn and is stopped once its configuration is measured.
+            runs: list[Running] = []
+            try:
+                for name in args.configs:
+                    runs.append(await start_config(name, servers, args, args.out_dir))
+                await asyncio.gather(*(warm_up(run, corpus, progress) for run in runs))
+            except BaseException:
+                await asyncio.gather(*(run.close() for run in runs), return_exceptions=True)
+                raise
+            for i, run in enumerate(runs):
+                try:
+                    results.append(await run_config(run, args, corpus, progress, rates))
+                except BaseException:
+                    await asyncio.gather(*(r.close() for r in runs[i + 1 :]), return_exceptions=True)
+                    raise
                 if args.skip:
                     rates = [r for r in args.rates if r >= next_start(results[-1][1], args.rates)]
     configs = [r[0] for r in results]

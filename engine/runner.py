@@ -182,7 +182,7 @@ class ModelRunner:
 
 
 def _sample_row(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
-    probs = torch.softmax(logits / temperature, dim=-1)  # (V,)
+    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)  # (V,), where the generator is
     if top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         # Keep the smallest prefix whose mass reaches top_p (always at least one token).

@@ -44,12 +44,12 @@ def recompute(loaded: LoadedModel, ids: list[int], n: int) -> list[int]:
     seq = list(ids)
     with stock_attention(loaded):
         for _ in range(n):
-            seq.append(int(loaded.model(torch.tensor([seq])).logits[0, -1].argmax()))
+            seq.append(int(loaded.model(torch.tensor([seq], device=loaded.device)).logits[0, -1].argmax()))
     return seq[len(ids) :]
 
 
-async def _check(architecture: Architecture) -> None:
-    tiny = build_tiny(architecture)
+async def _check(architecture: Architecture, device: torch.device) -> None:
+    tiny = build_tiny(architecture, device=device)
     config = EngineConfig(
         model_path=Path("tiny"), dtype="float32", dynamic_batching=True, max_batch_size=3,
         batch_window_ms=5, kv_cache_bytes=1 << 22, max_tokens_per_step=8,
@@ -63,8 +63,10 @@ async def _check(architecture: Architecture) -> None:
             raise EngineError(f"engine self-test failed on a tiny {architecture} model: outputs differ")
 
 
-def self_test() -> None:
-    """Raises EngineError when the engine does not reproduce the reference on every architecture."""
+def self_test(device: torch.device | None = None) -> None:
+    """Raises EngineError when the engine does not reproduce the reference on every architecture,
+    on the device the engine will run on (the CPU unless told)."""
+    device = device or torch.device("cpu")
     for architecture in SUPPORTED_MODEL_TYPES:
-        asyncio.run(_check(architecture))
-    log.info("engine self-test passed (%s)", ", ".join(SUPPORTED_MODEL_TYPES))
+        asyncio.run(_check(architecture, device))
+    log.info("engine self-test passed on %s (%s)", device, ", ".join(SUPPORTED_MODEL_TYPES))

@@ -77,12 +77,16 @@ def build_model(tokenizer: Any, architecture: Architecture = "qwen2", seed: int 
     return model.eval()
 
 
-def build_tiny(architecture: Architecture = "qwen2", dtype: torch.dtype = torch.float32) -> LoadedModel:
+def build_tiny(
+    architecture: Architecture = "qwen2",
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
+) -> LoadedModel:
+    """A tiny model with its tokenizer; the weights are the same on every device (built on the CPU)."""
+    device = device or torch.device("cpu")
     tokenizer = build_tokenizer()
-    model = build_model(tokenizer, architecture).to(dtype)
-    return LoadedModel(
-        model, tokenizer, model_id=f"tiny-{architecture}", device=torch.device("cpu"), dtype=dtype
-    )
+    model = build_model(tokenizer, architecture).to(device=device, dtype=dtype)
+    return LoadedModel(model, tokenizer, model_id=f"tiny-{architecture}", device=device, dtype=dtype)
 
 
 def save_tiny(folder: Path, architecture: Architecture = "qwen2") -> Path:

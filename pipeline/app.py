@@ -14,6 +14,7 @@ from pathlib import Path
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
 from engine import Engine, EngineConfig
+from engine.loader import select_device
 from engine.selftest import self_test
 from engine.weights import default_model_folder, is_prepared, prepare_default_model
 from pipeline.answers import AnswerHub
@@ -79,7 +80,7 @@ async def serve(
 ) -> None:
     """Runs one worker until `stop` is set."""
     telemetry = telemetry or setup_telemetry(settings)
-    await asyncio.to_thread(self_test)
+    await asyncio.to_thread(self_test, select_device(settings.device))
     config = engine_config(settings, resolve_model_path(settings))
     engine = await asyncio.to_thread(Engine.from_config, config)
     async with engine:

@@ -27,8 +27,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module", params=["qwen2", "llama"])
-def tiny(request: pytest.FixtureRequest) -> LoadedModel:
-    return build_tiny(request.param)
+def tiny(request: pytest.FixtureRequest, test_device: torch.device) -> LoadedModel:
+    return build_tiny(request.param, device=test_device)
 
 
 def make_engine(tiny: LoadedModel, **overrides: object) -> Engine:
@@ -40,7 +40,9 @@ def make_engine(tiny: LoadedModel, **overrides: object) -> Engine:
 def generate_alone(tiny: LoadedModel, ids: list[int], n: int) -> list[int]:
     """`model.generate` on one request; the engine reports tokens before EOS, so EOS is cut."""
     with stock_attention(tiny):
-        out = tiny.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids) :]
+        out = tiny.model.generate(torch.tensor([ids], device=tiny.device), max_new_tokens=n, do_sample=False)[
+            0, len(ids) :
+        ]
     tokens = [int(t) for t in out]
     eos = tiny.tokenizer.eos_token_id
     return tokens[: tokens.index(eos)] if eos in tokens else tokens
@@ -241,10 +243,10 @@ async def test_a_new_schema_compiles_once_off_the_engine_thread_while_others_dec
     assert all(json.loads(r.text)["ok"] in (True, False) for r in constrained)
 
 
-def test_start_up_self_test_passes() -> None:
+def test_start_up_self_test_passes(test_device: torch.device) -> None:
     from engine.selftest import self_test
 
-    self_test()
+    self_test(test_device)
 
 
 async def test_stop_string_ends_the_request_and_is_cut(tiny: LoadedModel) -> None:
@@ -275,7 +277,9 @@ async def test_teacher_forcing_emits_the_forced_tokens_and_shows_the_models_logi
     assert len(seen) == 6 and seen[0].dtype == torch.float32
     assert int(seen[0].argmax()) == greedy[0]  # the first position sees only the prompt
     with stock_attention(tiny), torch.inference_mode():  # position i sees the prompt + forced[:i]
-        full = tiny.model(torch.tensor([ids + forced[:5]])).logits[0, len(ids) - 1 :].float()
+        full = (
+            tiny.model(torch.tensor([ids + forced[:5]], device=tiny.device)).logits[0, len(ids) - 1 :].float()
+        )
     assert torch.allclose(torch.stack(seen), full[:, : seen[0].shape[0]], atol=1e-4)
     with pytest.raises(ValueError, match="forced_ids"):
         SamplingParams(max_new_tokens=8, forced_ids=(1, 2))

@@ -145,8 +145,8 @@ def test_bf16_decode_attention_over_long_quantised_histories_matches_fp32(bits: 
 
 
 @pytest.fixture(scope="module")
-def tiny() -> LoadedModel:
-    return build_tiny("qwen2")
+def tiny(test_device: torch.device) -> LoadedModel:
+    return build_tiny("qwen2", device=test_device)
 
 
 async def run(tiny: LoadedModel, **options: object) -> tuple[list[list[int]], list[float]]:
@@ -237,11 +237,13 @@ def recompute_pruned(loaded: LoadedModel, ids: list[int], kept: list[int], n: in
     with stock_attention(loaded):
         for _ in range(n):
             size = len(seq)
-            allowed = torch.ones(size, size, dtype=torch.bool).tril()
-            visible = torch.zeros(size, dtype=torch.bool)
+            allowed = torch.ones(size, size, dtype=torch.bool, device=loaded.device).tril()
+            visible = torch.zeros(size, dtype=torch.bool, device=loaded.device)
             visible[kept] = True
             allowed[prompt:, :prompt] &= visible[:prompt]
-            logits = loaded.model(torch.tensor([seq]), attention_mask=allowed[None, None]).logits
+            logits = loaded.model(
+                torch.tensor([seq], device=loaded.device), attention_mask=allowed[None, None]
+            ).logits
             seq.append(int(logits[0, -1].argmax()))
     return seq[prompt:]
 

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The prepared GPU run, one command on the device host (under 10 minutes; not yet run on a GPU):
+#   bash bench/cuda_prepare.sh            # here, once: wheels and tokenizer into .cuda/
+#   device run, carry [".cuda"]: bash bench/cuda_check.sh
+# 1. exactness on CUDA: the engine's tests (tiny fp32 models: batched = alone, preemption,
+#    compression bounds, constrained decoding) with TEST_DEVICE=cuda;
+# 2. the engine benchmark on a Llama-3-8B-shaped model with random weights in bf16 (speed and
+#    KV bytes are the real model's; its text is noise): generate one at a time, transformers'
+#    generate_batch, our engine with DYNAMIC_BATCHING=true, and the same with int8 and int4 KV.
+# Writes into $OUT (the device tool's) or bench/results/cuda/.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-bench/results/cuda}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+py=${PYTHON:-python3}
+if [ -d .cuda/whl ]; then
+    $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .cuda/whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site
+fi
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    $py -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+} 2>&1 | tee "$out/gpu.txt"
+# -W default: the host's library versions may warn where ours do not; warnings are shown, not fatal.
+# (the scheduler's tests are device-free Python and stay on the CPU run; 2 min 45 s on 2 CPU cores)
+TEST_DEVICE=cuda timeout 200 $py -m pytest -q -x -p no:cacheprovider --confcutdir=tests/engine -W default \
+    tests/engine/test_engine.py tests/engine/test_kv_compression.py 2>&1 | tee "$out/engine-tests-cuda.txt"
+timeout 330 $py -m bench.engine_bench --random-shape llama3-8b --tokenizer .cuda/tokenizer --no-isolate \
+    --repeats 1 --scenarios burst --docs 32 --new-tokens 96 --max-batch 64 --step-tokens 2048 \
+    --kv-cache-mib 16384 \
+    --variants hf_generate_1,hf_generate_batch,engine_dynamic,engine_dynamic_int8,engine_dynamic_int4 \
+    --out "$out/engine-cuda.json" 2>&1 | tee "$out/engine-cuda.txt"
