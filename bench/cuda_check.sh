@@ -8,12 +8,21 @@
 #    KV bytes are the real model's; its text is noise): generate one at a time, transformers'
 #    generate_batch, our engine with DYNAMIC_BATCHING=true, and the same with int8 and int4 KV.
 # Writes into $OUT (the device tool's) or bench/results/cuda/.
+# SMOKE=1 TEST_DEVICE=cpu PYTHON=.venv/bin/python: the same plumbing on a CPU in about a minute
+# (one test, a 1-layer model, 2 documents x 4 tokens), to check the script, not the numbers.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-bench/results/cuda}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 py=${PYTHON:-python3}
+device=${TEST_DEVICE:-cuda}
+tests=(tests/engine/test_engine.py tests/engine/test_kv_compression.py)
+size=(--docs 32 --new-tokens 96 --kv-cache-mib 16384)
+if [ "${SMOKE:-0}" = 1 ]; then
+    tests=(tests/engine/test_engine.py -k self_test)
+    size=(--docs 2 --new-tokens 4 --kv-cache-mib 256 --layers 1)
+fi
 if [ -d .cuda/whl ]; then
     $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .cuda/whl/*.whl || exit 1
@@ -25,10 +34,9 @@ fi
 } 2>&1 | tee "$out/gpu.txt"
 # -W default: the host's library versions may warn where ours do not; warnings are shown, not fatal.
 # (the scheduler's tests are device-free Python and stay on the CPU run; 2 min 45 s on 2 CPU cores)
-TEST_DEVICE=cuda timeout 200 $py -m pytest -q -x -p no:cacheprovider --confcutdir=tests/engine -W default \
-    tests/engine/test_engine.py tests/engine/test_kv_compression.py 2>&1 | tee "$out/engine-tests-cuda.txt"
+TEST_DEVICE=$device timeout 200 $py -m pytest -q -x -p no:cacheprovider --confcutdir=tests/engine -W default \
+    "${tests[@]}" 2>&1 | tee "$out/engine-tests-$device.txt"
 timeout 330 $py -m bench.engine_bench --random-shape llama3-8b --tokenizer .cuda/tokenizer --no-isolate \
-    --repeats 1 --scenarios burst --docs 32 --new-tokens 96 --max-batch 64 --step-tokens 2048 \
-    --kv-cache-mib 16384 \
+    --repeats 1 --scenarios burst --max-batch 64 --step-tokens 2048 "${size[@]}" \
     --variants hf_generate_1,hf_generate_batch,engine_dynamic,engine_dynamic_int8,engine_dynamic_int4 \
-    --out "$out/engine-cuda.json" 2>&1 | tee "$out/engine-cuda.txt"
+    --out "$out/engine-$device.json" 2>&1 | tee "$out/engine-$device.txt"
