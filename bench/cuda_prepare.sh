@@ -18,7 +18,7 @@ for pkg in transformers==5.24.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated
     .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
         --implementation cp "${platforms[@]}" -d .cuda/whl "$pkg"
 done
-model=$(.venv/bin/python -c "from bench import common; print(common.model_path(None))")
+model=$(.venv/bin/python -c "from bench import common; print(common.model_path(None))" | tail -n 1)
 for f in tokenizer.json tokenizer_config.json chat_template.jinja generation_config.json; do
     [ -f "$model/$f" ] && cp "$model/$f" .cuda/tokenizer/
 done

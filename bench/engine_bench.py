@@ -252,7 +252,7 @@ def engine_run(
             {"mean_batch": stats.mean_batch_size, "largest_batch": stats.largest_batch, "steps": stats.num_steps,
              "prefix_hit_tokens": stats.prefix_hit_tokens, "prompt_tokens": sum(map(len, prompts)),
              "preemptions": stats.num_preemptions, "kv_bytes_per_token": stats.kv_bytes_per_token,
-             "kv_quantised_block_ratio": stats.kv_cold_bytes_per_token / stats.kv_bytes_per_token
+             "kv_quantised_bytes_ratio": stats.kv_cold_bytes_per_token / stats.kv_bytes_per_token
              if stats.kv_quant_bits else None},
         )  # fmt: skip
 
@@ -349,7 +349,7 @@ def in_child(args: Any, variants: str, scenarios: str, isolation: bool) -> dict[
                    "--kv-cache-mib", str(args.kv_cache_mib)]  # fmt: skip
         if args.random_shape:
             options += ["--random-shape", args.random_shape, "--tokenizer", str(args.tokenizer)]
-            options += ["--layers", str(args.layers)] if args.layers else []
+            options += ["--layers", str(args.layers)] if args.layers is not None else []
         else:
             options += ["--model", str(args.model)]
         subprocess.run(  # noqa: S603 (this interpreter, this module)
@@ -394,6 +394,8 @@ def main() -> None:
     console = Console(width=150)
     if args.random_shape and args.tokenizer is None:
         parser.error("--random-shape needs --tokenizer (a local model folder with a tokenizer)")
+    if args.layers is not None and args.layers < 1:
+        parser.error("--layers must be >= 1")
     args.model = None if args.random_shape else common.model_path(args.model)
     variants = args.variants.split(",")
     isolating = args.ttft_isolation and "engine_dynamic" in variants
@@ -436,6 +438,9 @@ def main() -> None:
             loaded, prompts, n, at[scenario], dynamic, args.max_batch, args.step_tokens, prefix, pool, bits
         )
 
+    if loaded.device.type == "cuda":  # one-off CUDA start-up costs (cuBLAS, kernels) go unmeasured
+        hf_generate(loaded, prompts[:1], 4, [0.0], 1)
+        engine_run(loaded, prompts[:2], 4, [0.0, 0.0], True, args.max_batch, args.step_tokens, True, pool)
     runs = []
     for round_, name, scenario in rounds:
         console.print(f"running {name} / {scenario}{f' (round {round_ + 1})' if round_ else ''} ...")

@@ -146,8 +146,8 @@ def markdown(payload: dict[str, Any], levels: list[Level], plots: list[str]) -> 
            "meet the next), and the sweep stops once a level is known to fail" if payload.get("staircase") else "")
         + f". KV pool {payload['kv_pool_mib']} MiB and MAX_BATCH_SIZE {payload['max_batch_size']} for every "
         "configuration; the workers start together, each reports every grammar compiled and answers one "
-        "unmeasured warm-up document, then idles until its configuration is measured (the others idle "
-        "meanwhile). Throughput = "
+        "unmeasured warm-up document, then idles until its configuration is measured (so the configurations "
+        "measured first have idle workers beside them, holding memory, not compute). Throughput = "
         "documents answered within the deadline per minute of the arrival window; concurrency = mean documents "
         "in flight over the window (sum of latencies / window). A short Poisson level sends more or fewer "
         "documents than its nominal rate: sent/min is what it really offered, so throughput can exceed the "

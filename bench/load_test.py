@@ -243,8 +243,8 @@ class Running:
 
 async def start_config(name: str, servers: str, args: Any, out_dir: Path) -> Running:
     """Topics, producer, collector and the worker of one configuration, all started; `close()`
-    stops them (the worker with SIGTERM, which abandons nothing that is still owed: by then every
-    document sent has been answered or is past its deadline)."""
+    stops them (the worker with SIGTERM and no grace: after a measurement every document sent has
+    been answered or is past its deadline, so nothing still owed is abandoned)."""
     settings = config_settings(servers, name, args)
     await ensure_topics(settings)
     stack = contextlib.AsyncExitStack()
@@ -283,7 +283,6 @@ async def warm_up(run: Running, corpus: list[CorpusDoc], progress: Progress) -> 
         if run.proc.poll() is not None:
             raise RuntimeError(f"{run.name}: the worker exited with {run.proc.returncode} before answering")
         await asyncio.sleep(0.5)
-    progress.update(task, description=f"{run.name}: ready, idle")
     progress.remove_task(task)
 
 
@@ -399,23 +398,19 @@ async def main_async(args: Any, console: Console) -> tuple[dict[str, Any], list[
         with Progress(*columns, console=console) as progress:
             rates = [r for r in args.rates if args.start is None or r >= args.start] or args.rates[-1:]
             # Every worker starts and warms up at once (their waits overlap); each then idles until
-            # its turn and is stopped once its configuration is measured.
-            runs: list[Running] = []
-            try:
+            # its turn and is stopped once its configuration is measured (or on any error).
+            async with contextlib.AsyncExitStack() as workers:
+                runs: list[Running] = []
                 for name in args.configs:
                     runs.append(await start_config(name, servers, args, args.out_dir))
-                await asyncio.gather(*(warm_up(run, corpus, progress) for run in runs))
-            except BaseException:
-                await asyncio.gather(*(run.close() for run in runs), return_exceptions=True)
-                raise
-            for i, run in enumerate(runs):
-                try:
+                    workers.push_async_callback(runs[-1].close)  # closing twice is harmless
+                async with asyncio.TaskGroup() as group:  # one failing cancels the others
+                    for run in runs:
+                        group.create_task(warm_up(run, corpus, progress))
+                for run in runs:
                     results.append(await run_config(run, args, corpus, progress, rates))
-                except BaseException:
-                    await asyncio.gather(*(r.close() for r in runs[i + 1 :]), return_exceptions=True)
-                    raise
-                if args.skip:
-                    rates = [r for r in args.rates if r >= next_start(results[-1][1], args.rates)]
+                    if args.skip:
+                        rates = [r for r in args.rates if r >= next_start(results[-1][1], args.rates)]
     configs = [r[0] for r in results]
     levels = [lv for r in results for lv in r[1]]
     docs = [d for r in results for d in r[2]]

@@ -14,8 +14,9 @@ first, so "free" still means "available": cached blocks cost nothing when memory
 
 KV compression adds a second kind of block: ids `[0, num_blocks)` are full-precision ("hot")
 blocks, where every new token is written; ids from `num_blocks` on are quantised ("cold") blocks.
-`settle` moves a full block that only one sequence uses from hot to cold; the caller copies the
-contents. A prefix registration moves with its block.
+`settle` moves a full block from hot to cold, in the table of every sequence that uses it (a
+shared prefix block too: left hot, every sharer would pin it for as long as any of them runs); the
+caller copies the contents. A prefix registration moves with its block.
 """
 
 from __future__ import annotations
@@ -114,15 +115,21 @@ class BlockManager:
         self._release(table[keep:])
         del table[keep:]
 
-    def settle(self, seq_id: int, index: int) -> tuple[int, int] | None:
-        """Moves block `index` of the sequence to a cold block if it is hot, used by this sequence
-        alone and a cold block is free; returns (hot, cold) for the caller to copy, else None."""
-        table = self._tables[seq_id]
-        hot = table[index]
-        if hot >= self.num_blocks or self._refs[hot] != 1 or not self._free_cold:
+    def settle(self, hot: int) -> int | None:
+        """Moves hot block `hot` (in use) to a cold block, in every table that holds it, if a cold
+        block is free; returns the cold block for the caller to copy into, else None."""
+        if hot >= self.num_blocks or self._refs[hot] == 0 or not self._free_cold:
             return None
         cold = self._take(self._free_cold)
-        table[index] = cold
+        self._refs[cold] = self._refs[hot]
+        sharers = self._refs[hot]
+        for table in self._tables.values():
+            for index, block in enumerate(table):
+                if block == hot:
+                    table[index] = cold
+                    sharers -= 1
+            if not sharers:
+                break
         key = self._key_of.pop(hot, None)
         if key is not None:
             self._cached[key] = cold
@@ -130,7 +137,7 @@ class BlockManager:
         self._refs[hot] = 0
         self._free[hot] = None
         self._free.move_to_end(hot, last=False)
-        return hot, cold
+        return cold
 
     def adopt_prefix(self, seq_id: int, token_ids: Sequence[int]) -> int:
         """Gives a sequence without blocks the cached blocks of its longest known prefix.

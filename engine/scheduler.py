@@ -193,25 +193,39 @@ class Scheduler:
         return seq.num_pending
 
     def settle(self) -> list[tuple[int, int]]:
-        """Moves full blocks that left the recent-token window (and are not sinks, not shared) to
-        quantised storage while cold blocks are free; the (hot, cold) pairs to copy."""
+        """Moves full blocks that left the recent-token window to quantised storage while cold
+        blocks are free; the (hot, cold) pairs to copy. Sink blocks stay; a block shared by
+        several sequences (an adopted prefix) moves once it has left every sharer's window."""
         moves: list[tuple[int, int]] = []
         if not self.blocks.num_cold_blocks:
             return moves
+        ready: dict[int, bool] = {}  # hot block -> outside the window of every sequence holding it
+        order: list[int] = []
         for seq in self.running:
+            table = self.blocks.table(seq.seq_id)
             if self.config.prune_window and not seq.pruned:
-                continue  # its prompt is still read in full precision, to be scored and pruned
-            limit = min(
-                (seq.num_cached - self.config.residual_tokens) // self.blocks.block_size,
-                len(self.blocks.table(seq.seq_id)),
-            )
-            for index in range(max(seq.num_settled_blocks, self.config.sink_blocks), limit):
-                if not self.blocks.num_free_cold:
-                    return moves
-                move = self.blocks.settle(seq.seq_id, index)  # None: already cold, or shared
-                if move is not None:
-                    moves.append(move)
-                seq.num_settled_blocks = index + 1
+                limit = 0  # its prompt is still read in full precision, to be scored and pruned
+            else:
+                limit = (seq.num_cached - self.config.residual_tokens) // self.blocks.block_size
+            first = max(seq.num_settled_blocks, self.config.sink_blocks)
+            for index in range(first, len(table)):
+                block = table[index]
+                if self.blocks.is_cold(block):
+                    continue
+                if block not in ready:
+                    order.append(block)
+                ready[block] = ready.get(block, True) and index < limit
+        for block in order:
+            if not self.blocks.num_free_cold:
+                break
+            if ready[block] and (cold := self.blocks.settle(block)) is not None:
+                moves.append((block, cold))
+        for seq in self.running:  # skip what is settled; a block still hot is looked at again
+            table = self.blocks.table(seq.seq_id)
+            index = max(seq.num_settled_blocks, self.config.sink_blocks)
+            while index < len(table) and self.blocks.is_cold(table[index]):
+                index += 1
+            seq.num_settled_blocks = index
         return moves
 
     def _take(self, seq: Sequence, n: int) -> Chunk:

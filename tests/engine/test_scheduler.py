@@ -40,6 +40,51 @@ def make_sequence(
     return Sequence.of(seq_id, request)
 
 
+def test_a_shared_prefix_block_moves_to_quantised_storage_once_out_of_every_sharers_window() -> None:
+    """Adopted prefix blocks are quantised too (in every sharer's table at once), not pinned in
+    full precision while any sharer runs; never while inside one sharer's recent window."""
+    loop = asyncio.new_event_loop()
+    try:
+        size = 4
+        blocks = BlockManager(num_blocks=12, block_size=size, num_cold_blocks=12)
+        config = SchedulerConfig(max_running=2, max_tokens_per_step=32, residual_tokens=4)
+        scheduler = Scheduler(config, blocks)
+        head = list(range(100, 116))  # 4 blocks of shared instructions
+        first = make_sequence(0, [*head, 1, 2, 3, 4, 5], 10, loop)
+        scheduler.add(first)
+        for chunk in scheduler.schedule(admit=True):  # the whole prompt in one chunk
+            scheduler.computed(chunk)
+            chunk.seq.token_ids.append(7)  # its first sampled token
+        second = make_sequence(1, [*head, 6], 10, loop)  # ends one token after the shared head
+        scheduler.add(second)
+        plan = scheduler.schedule(admit=True)
+        shared = blocks.table(0)[:4]
+        assert blocks.table(1)[:4] == shared and blocks.num_cache_hits == 4
+        moves = dict(scheduler.settle())
+        # blocks 1 and 2 are out of both windows; block 3 holds the second's last 4 tokens
+        assert set(moves) == {shared[1], shared[2]} and not blocks.is_cold(shared[3])
+        for seq in (first, second):
+            table = blocks.table(seq.seq_id)
+            assert table[1:3] == [moves[shared[1]], moves[shared[2]]]
+            assert table[0] == shared[0]  # the sink stays
+        for chunk in plan:
+            scheduler.computed(chunk)
+            chunk.seq.token_ids.append(7)
+        for _ in range(4):  # the second decodes past its window: block 3 moves too
+            for chunk in scheduler.schedule(admit=True):
+                scheduler.computed(chunk)
+                chunk.seq.token_ids.append(7)
+            scheduler.settle()
+        assert blocks.is_cold(blocks.table(0)[3]) and blocks.table(0)[3] == blocks.table(1)[3]
+        third = make_sequence(2, [*head, 9], 10, loop)  # adopts the quantised prefix
+        scheduler.finish(first)
+        scheduler.add(third)
+        scheduler.schedule(admit=True)
+        assert blocks.table(2)[1:4] == blocks.table(1)[1:4] and blocks.num_cache_hits == 8
+    finally:
+        loop.close()
+
+
 @pytest.mark.parametrize("cold", [0, 48])
 @pytest.mark.parametrize("seed", range(3))
 def test_random_load_with_cancellations_pool_exhaustion_and_shared_prefixes(seed: int, cold: int) -> None:
@@ -50,7 +95,7 @@ def test_random_load_with_cancellations_pool_exhaustion_and_shared_prefixes(seed
         # 320 token slots for requests of up to 200 tokens each (or 128 + 384 quantised ones)
         num_blocks, block_size = (16 if cold else 40), 8
         blocks = BlockManager(num_blocks, block_size, num_cold_blocks=cold)
-        settled = 0
+        settled = settled_shared = 0
         config = SchedulerConfig(
             max_running=rng.choice([1, 4, 8]), max_tokens_per_step=rng.choice([16, 64]), residual_tokens=8
         )
@@ -83,6 +128,11 @@ def test_random_load_with_cancellations_pool_exhaustion_and_shared_prefixes(seed
             for hot, moved in scheduler.settle():  # what the runner does first: copy, then compute
                 settled += 1
                 assert blocks.is_cold(moved) and not blocks.is_cold(hot)
+                holders = [s for s in scheduler.running if moved in blocks.table(s.seq_id)]
+                settled_shared += len(holders) > 1
+                for s in holders:  # never a sink, never in the recent window of anyone holding it
+                    index = blocks.table(s.seq_id).index(moved)
+                    assert config.sink_blocks <= index < (s.num_cached - config.residual_tokens) // block_size
                 for i in range(block_size):
                     written[moved * block_size + i] = written[hot * block_size + i]
             # Invariants of every step.
@@ -125,6 +175,8 @@ def test_random_load_with_cancellations_pool_exhaustion_and_shared_prefixes(seed
         assert blocks.num_free == num_blocks, "every block returned"
         assert blocks.num_free_cold == cold
         assert (settled > 500) == bool(cold)
+        if cold and config.max_running > 1:  # adopted prefixes, too, move once out of every window
+            assert settled_shared > 0
         assert list(finished.values()).count("done") > 500
         assert blocks.num_cache_hits > 100, "shared prefixes should have been reused"
         if config.max_running > 1:
