@@ -308,8 +308,11 @@ def ttft_isolation(
     return asyncio.run(go())
 
 
-VARIANTS = ("hf_generate_1", "hf_generate_static4", "hf_generate_batch", "engine_static", "engine_dynamic",
-            "engine_dynamic_noprefix", "engine_dynamic_int8", "engine_dynamic_int4")  # fmt: skip
+# Our engine's variants: (DYNAMIC_BATCHING, prefix caching, KV bits; 16 = uncompressed).
+ENGINE_VARIANTS = {"engine_static": (False, True, 16), "engine_dynamic": (True, True, 16),
+                   "engine_dynamic_noprefix": (True, False, 16), "engine_dynamic_int8": (True, True, 8),
+                   "engine_dynamic_int4": (True, True, 4)}  # fmt: skip
+VARIANTS = ("hf_generate_1", "hf_generate_static4", "hf_generate_batch", *ENGINE_VARIANTS)
 BURST_ONLY = ("hf_generate_static4", "hf_generate_batch")  # they cannot take a stream
 HEADLINE = (("hf_generate_1", "burst"), ("engine_dynamic", "burst"))  # repeated: the ratio rests on them
 
@@ -431,20 +434,18 @@ def main() -> None:
             return hf_generate(loaded, prompts, n, at[scenario], 4)
         if variant == "hf_generate_batch":
             return hf_generate_batch(loaded, prompts, n)
-        dynamic, prefix, bits = {"engine_static": (False, True, 16), "engine_dynamic": (True, True, 16),
-                                 "engine_dynamic_noprefix": (True, False, 16), "engine_dynamic_int8": (True, True, 8),
-                                 "engine_dynamic_int4": (True, True, 4)}[variant]  # fmt: skip
+        dynamic, prefix, bits = ENGINE_VARIANTS[variant]
         return engine_run(
             loaded, prompts, n, at[scenario], dynamic, args.max_batch, args.step_tokens, prefix, pool, bits
         )
 
-    if loaded.device.type == "cuda":  # one-off CUDA start-up costs (cuBLAS, kernels) go unmeasured
+    cuda = loaded.device.type == "cuda"
+    if cuda:  # one-off CUDA start-up costs (cuBLAS, kernels) go unmeasured
         hf_generate(loaded, prompts[:1], 4, [0.0], 1)
         engine_run(loaded, prompts[:2], 4, [0.0, 0.0], True, args.max_batch, args.step_tokens, True, pool)
     runs = []
     for round_, name, scenario in rounds:
         console.print(f"running {name} / {scenario}{f' (round {round_ + 1})' if round_ else ''} ...")
-        cuda = loaded.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats(loaded.device)
         with PeakRSS() as rss:

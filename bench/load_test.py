@@ -230,7 +230,6 @@ class Running:
     """One configuration's worker process with its topics, producer, answer collector and watch."""
 
     name: str
-    settings: Settings
     proc: subprocess.Popen[bytes]
     sender: Sender
     collector: Collector
@@ -269,7 +268,7 @@ async def start_config(name: str, servers: str, args: Any, out_dir: Path) -> Run
     except BaseException:
         await stack.aclose()
         raise
-    return Running(name, settings, proc, Sender(settings, producer, name), collector, watch, stack)
+    return Running(name, proc, Sender(settings, producer, name), collector, watch, stack)
 
 
 async def warm_up(run: Running, corpus: list[CorpusDoc], progress: Progress) -> None:

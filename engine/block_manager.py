@@ -115,21 +115,16 @@ class BlockManager:
         self._release(table[keep:])
         del table[keep:]
 
-    def settle(self, hot: int) -> int | None:
-        """Moves hot block `hot` (in use) to a cold block, in every table that holds it, if a cold
-        block is free; returns the cold block for the caller to copy into, else None."""
-        if hot >= self.num_blocks or self._refs[hot] == 0 or not self._free_cold:
+    def settle(self, hot: int, holders: Sequence[tuple[int, int]]) -> int | None:
+        """Moves hot block `hot` to a cold block in the tables of `holders` ((sequence, index) of
+        every sequence using it) if a cold block is free; returns the cold block for the caller to
+        copy into, else None (also when `holders` does not name every user)."""
+        if hot >= self.num_blocks or self._refs[hot] != len(holders) or not holders or not self._free_cold:
             return None
         cold = self._take(self._free_cold)
-        self._refs[cold] = self._refs[hot]
-        sharers = self._refs[hot]
-        for table in self._tables.values():
-            for index, block in enumerate(table):
-                if block == hot:
-                    table[index] = cold
-                    sharers -= 1
-            if not sharers:
-                break
+        self._refs[cold] = len(holders)
+        for seq_id, index in holders:
+            self._tables[seq_id][index] = cold
         key = self._key_of.pop(hot, None)
         if key is not None:
             self._cached[key] = cold

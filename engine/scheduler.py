@@ -199,8 +199,8 @@ class Scheduler:
         moves: list[tuple[int, int]] = []
         if not self.blocks.num_cold_blocks:
             return moves
-        ready: dict[int, bool] = {}  # hot block -> outside the window of every sequence holding it
-        order: list[int] = []
+        holders: dict[int, list[tuple[int, int]]] = {}  # hot block -> (sequence, index) of each user
+        in_window: set[int] = set()  # hot blocks some user still needs in full precision
         for seq in self.running:
             table = self.blocks.table(seq.seq_id)
             if self.config.prune_window and not seq.pruned:
@@ -210,15 +210,14 @@ class Scheduler:
             first = max(seq.num_settled_blocks, self.config.sink_blocks)
             for index in range(first, len(table)):
                 block = table[index]
-                if self.blocks.is_cold(block):
-                    continue
-                if block not in ready:
-                    order.append(block)
-                ready[block] = ready.get(block, True) and index < limit
-        for block in order:
+                if not self.blocks.is_cold(block):
+                    holders.setdefault(block, []).append((seq.seq_id, index))
+                    if index >= limit:
+                        in_window.add(block)
+        for block, where in holders.items():
             if not self.blocks.num_free_cold:
                 break
-            if ready[block] and (cold := self.blocks.settle(block)) is not None:
+            if block not in in_window and (cold := self.blocks.settle(block, where)) is not None:
                 moves.append((block, cold))
         for seq in self.running:  # skip what is settled; a block still hot is looked at again
             table = self.blocks.table(seq.seq_id)
