@@ -31,26 +31,22 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import psutil
-from aiokafka import AIOKafkaProducer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from bench import common
 from bench.load_gen import DEPARTMENTS, Collector, CorpusDoc, Sender, Sent, drain, load_corpus, schedule
 from bench.load_report import Level, markdown, max_stable, outcome, plot, summarise
+from bench.load_workers import Running, start_config, warm_up
 from pipeline.broker import embedded_broker
-from pipeline.kafka import client_options, ensure_topics
 from pipeline.settings import Settings, load_settings
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {  # name -> (label, environment)
     "static": (
         "one at a time (DYNAMIC_BATCHING=false)",
@@ -71,40 +67,6 @@ PROFILES: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
-@dataclass
-class Watch:
-    """Peak RSS of the worker (with children) and peak KV pool use from its /api/status."""
-
-    pid: int
-    status_url: str | None
-    peak_rss: float = 0.0
-    kv_total: int | None = None
-    kv_peak_used: int = 0
-    samples: list[tuple[float, float, int | None]] = field(default_factory=list)  # (t, rss MiB, kv used)
-
-    def sample(self) -> None:
-        try:
-            proc = psutil.Process(self.pid)
-            rss = sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)])
-        except psutil.Error:
-            return
-        used = None
-        if self.status_url is not None:
-            with contextlib.suppress(OSError, ValueError):
-                with urllib.request.urlopen(self.status_url, timeout=2) as response:  # noqa: S310 (http://127.0.0.1)
-                    pool = json.load(response)["kv_pool"]
-                self.kv_total, used = pool["total_bytes"], pool["used_bytes"]
-                self.kv_peak_used = max(self.kv_peak_used, used)
-        self.peak_rss = max(self.peak_rss, rss / 2**20)
-        self.samples.append((time.time(), rss / 2**20, used))
-
-    async def run(self, stop: asyncio.Event, every_s: float = 0.5) -> None:
-        while not stop.is_set():
-            await asyncio.to_thread(self.sample)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), every_s)
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -123,25 +85,6 @@ def config_settings(servers: str, name: str, args: Any) -> Settings:
     )  # fmt: skip
 
 
-@contextlib.contextmanager
-def worker(settings: Settings, module: str, log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """The worker process for one configuration; stopped with SIGTERM (then killed) on exit."""
-    with log.open("ab") as out:
-        proc = subprocess.Popen(  # noqa: S603 (this interpreter, our module)
-            [sys.executable, "-m", module, *(["run"] if module == "pipeline" else [])],
-            cwd=ROOT, env=common.worker_env(settings), stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        try:
-            yield proc
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
 async def send_level(
     sender: Sender, arrivals: list[Any], level: int, on_sent: Any, proc: subprocess.Popen[bytes]
 ) -> list[Sent]:
@@ -153,29 +96,6 @@ async def send_level(
         acks.append(await sender.send(arrival.doc, arrival.department, level))
         on_sent()
     return list(await asyncio.gather(*acks))
-
-
-def _get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310 (http://127.0.0.1)
-        return json.load(response)
-
-
-async def wait_until_prepared(
-    status_url: str | None, proc: subprocess.Popen[bytes], name: str, timeout_s: float = 600.0
-) -> None:
-    """Until the worker's /api/status says it is ready with every grammar compiled (a stand-in
-    worker without a status endpoint is taken as prepared)."""
-    deadline = time.monotonic() + timeout_s
-    while status_url is not None:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name}: the worker exited with {proc.returncode} while starting")
-        with contextlib.suppress(OSError, ValueError):
-            status = await asyncio.to_thread(_get_json, status_url)
-            if status.get("status") == "ready" and status.get("grammars_ready"):
-                return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{name}: the worker was not ready within {timeout_s:.0f} s")
-        await asyncio.sleep(0.5)
 
 
 def next_start(levels: list[Level], grid: list[float]) -> float:
@@ -223,66 +143,6 @@ def burst_docs(corpus: list[CorpusDoc], n: int) -> list[CorpusDoc]:
     """n documents of different lengths, short to long: evenly spaced through the corpus by length."""
     by_length = sorted(corpus, key=lambda d: len(d.text))
     return [by_length[round(i * (len(by_length) - 1) / max(n - 1, 1))] for i in range(n)]
-
-
-@dataclass
-class Running:
-    """One configuration's worker process with its topics, producer, answer collector and watch."""
-
-    name: str
-    proc: subprocess.Popen[bytes]
-    sender: Sender
-    collector: Collector
-    watch: Watch
-    stack: contextlib.AsyncExitStack
-
-    async def close(self) -> None:
-        await self.stack.aclose()
-
-
-async def start_config(name: str, servers: str, args: Any, out_dir: Path) -> Running:
-    """Topics, producer, collector and the worker of one configuration, all started; `close()`
-    stops them (the worker with SIGTERM and no grace: after a measurement every document sent has
-    been answered or is past its deadline, so nothing still owed is abandoned)."""
-    settings = config_settings(servers, name, args)
-    await ensure_topics(settings)
-    stack = contextlib.AsyncExitStack()
-    try:
-        producer = AIOKafkaProducer(
-            **client_options(settings), acks="all", linger_ms=2, enable_idempotence=False
-        )
-        await producer.start()
-        stack.push_async_callback(producer.stop)
-        collector, stop = Collector(settings), asyncio.Event()
-        tasks = [asyncio.create_task(collector.run(stop))]
-
-        async def stop_tasks() -> None:
-            stop.set()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-        stack.push_async_callback(stop_tasks)
-        proc = stack.enter_context(worker(settings, args.worker, out_dir / f"worker-{name}.log"))
-        url = None if args.worker != "pipeline" else f"http://127.0.0.1:{settings.status_port}/api/status"
-        watch = Watch(proc.pid, url)
-        tasks.append(asyncio.create_task(watch.run(stop)))
-    except BaseException:
-        await stack.aclose()
-        raise
-    return Running(name, proc, Sender(settings, producer, name), collector, watch, stack)
-
-
-async def warm_up(run: Running, corpus: list[CorpusDoc], progress: Progress) -> None:
-    """Unmeasured: model load and self-test, every grammar compiled (the worker does it in the
-    background and says so in /api/status), then one short document through the whole path."""
-    task = progress.add_task(f"{run.name}: starting", total=None)
-    await wait_until_prepared(run.watch.status_url, run.proc, run.name)
-    progress.update(task, description=f"{run.name}: warm-up document")
-    warm = await (await run.sender.send(min(corpus, key=lambda d: len(d.text)), "warm-up", -1))
-    while not run.collector.resolve(warm):
-        if run.proc.poll() is not None:
-            raise RuntimeError(f"{run.name}: the worker exited with {run.proc.returncode} before answering")
-        await asyncio.sleep(0.5)
-    progress.remove_task(task)
 
 
 async def run_config(
@@ -401,7 +261,11 @@ async def main_async(args: Any, console: Console) -> tuple[dict[str, Any], list[
             async with contextlib.AsyncExitStack() as workers:
                 runs: list[Running] = []
                 for name in args.configs:
-                    runs.append(await start_config(name, servers, args, args.out_dir))
+                    runs.append(
+                        await start_config(
+                            name, config_settings(servers, name, args), args.worker, args.out_dir
+                        )
+                    )
                     workers.push_async_callback(runs[-1].close)  # closing twice is harmless
                 async with asyncio.TaskGroup() as group:  # one failing cancels the others
                     for run in runs:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from bench.engine_bench import Run, median_run, schedule
+from bench.engine_bench import median_run, schedule
+from bench.engine_variants import Run
 
 
 def _run(variant: str, tok_s: float, round_: int = 0) -> Run:
