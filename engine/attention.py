@@ -132,22 +132,27 @@ def decode_attention(
     value = cache.values[layer].view(-1, head_dim).index_select(0, group.head_rows).view(pairs)
     # Head kv*G + g attends with KV head kv, as the model's repeat_kv arranges them.
     q = query.index_select(1, group.rows).transpose(0, 1).reshape(num * kv_heads, groups, head_dim)
-    scores = torch.bmm(q, key.transpose(1, 2)).float() * scale  # (B*KVH, G, L)
     cold = None
     if group.cold_rows is not None and cache.cold is not None:
         cold = cache.cold.gathered(layer, group.cold_rows, num * kv_heads)  # (B*KVH, M*bs, D)
-        scores = torch.cat((torch.bmm(q, cold.keys.transpose(1, 2)).float() * scale, scores), dim=-1)
+        split = cold.keys.shape[1]
+        # Both parts' scores straight into one fp32 buffer (quantised history first), no concatenation.
+        scores = torch.empty(num * kv_heads, groups, split + group.max_len, device=q.device)
+        torch.mul(torch.bmm(q, cold.keys.transpose(1, 2)), scale, out=scores[..., :split])
+        torch.mul(torch.bmm(q, key.transpose(1, 2)), scale, out=scores[..., split:])
+    else:
+        scores = torch.bmm(q, key.transpose(1, 2)).float() * scale  # (B*KVH, G, L)
     if group.padding is not None:
         scores.view(num, kv_heads, groups, -1).masked_fill_(group.padding, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     if cold is None:
         return torch.bmm(probs.to(value.dtype), value).view(num, kv_heads * groups, head_dim)
-    split = probs.shape[-1] - group.max_len
     out = torch.bmm(probs[..., split:].to(value.dtype), value)  # (B*KVH, G, D)
-    # v = code * s + offset per token, so p.v = (p*s).code + p.offset: the scale goes into the weights.
+    # v = code * s + offset per token, so p.v = (p*s).code + p.offset: the scale goes into the
+    # weights, and the offsets' weighted sum is one matrix-vector product per pair.
     weights = probs[..., :split]
     out = torch.baddbmm(out, (weights * cold.value_scale).to(value.dtype), cold.value_codes)
-    out += (weights * cold.value_offset).sum(-1, keepdim=True).to(value.dtype)
+    out += torch.bmm(weights, cold.value_offset.transpose(1, 2)).to(value.dtype)  # (B*KVH, G, 1)
     return out.view(num, kv_heads * groups, head_dim)
 
 

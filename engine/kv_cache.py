@@ -12,12 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
-from engine.kv_quant import (
-    QuantFormat,
-    centred,
-    quantize_keys,
-    quantize_values,
-)
+from engine.kv_quant import QuantFormat, StoredLayer, quantize_keys, quantize_values, read_rows, to_storage
 
 
 @dataclass(frozen=True)
@@ -43,10 +38,12 @@ class KVShape:
 
 
 class ColdStore:
-    """Quantised blocks for every layer: key codes with a (scale, min) per block and channel,
+    """Quantised blocks for every layer: key codes with a (scale, offset) per block and channel,
     value codes with a (scale, min) per token. Block `i` here is block `num_hot + i` of the pool.
     Head-major within a block (KVH, block_size, ...): a gather of blocks gives each (block, KV
-    head) its tokens contiguously, as the batched matmuls of decode attention want them."""
+    head) its tokens contiguously, as the batched matmuls of decode attention want them. Stored
+    so that reading does the least work: 8-bit codes already centred (int8), and a key is
+    `centred code * scale + offset` with the offset (min + zero * scale) computed once, here."""
 
     def __init__(
         self, shape: KVShape, fmt: QuantFormat, num_blocks: int, block_size: int, device: torch.device
@@ -55,13 +52,19 @@ class ColdStore:
         self.num_blocks = num_blocks
         layers, heads, dim = shape.num_layers, shape.num_kv_heads, shape.head_dim
         codes = (layers, num_blocks, heads, block_size, fmt.code_dim(dim))
-        self.key_codes = torch.zeros(codes, dtype=torch.uint8, device=device)
-        self.value_codes = torch.zeros(codes, dtype=torch.uint8, device=device)
+        self.key_codes = torch.zeros(codes, dtype=fmt.storage_dtype, device=device)
+        self.value_codes = torch.zeros(codes, dtype=fmt.storage_dtype, device=device)
         self.key_scale = torch.zeros(layers, num_blocks, heads, dim, dtype=shape.dtype, device=device)
-        self.key_min = torch.zeros_like(self.key_scale)
+        self.key_offset = torch.zeros_like(self.key_scale)
         per_token = (layers, num_blocks, heads, block_size)
         self.value_scale = torch.zeros(per_token, dtype=shape.dtype, device=device)
         self.value_min = torch.zeros_like(self.value_scale)
+
+    def layer(self, layer: int) -> StoredLayer:
+        return StoredLayer(
+            self.key_codes[layer], self.key_scale[layer], self.key_offset[layer],
+            self.value_codes[layer], self.value_scale[layer], self.value_min[layer],
+        )  # fmt: skip
 
     @staticmethod
     def bytes_per_block(shape: KVShape, fmt: QuantFormat, block_size: int) -> int:
@@ -72,18 +75,19 @@ class ColdStore:
 
     @property
     def total_bytes(self) -> int:
-        parts = [self.key_codes, self.value_codes, self.key_scale, self.key_min, self.value_scale]
+        parts = [self.key_codes, self.value_codes, self.key_scale, self.key_offset, self.value_scale]
         parts.append(self.value_min)
         return sum(t.numel() * t.element_size() for t in parts)
 
     def store(self, keys: torch.Tensor, values: torch.Tensor, blocks: torch.Tensor) -> None:
         """Quantises full-precision blocks (L, n, block_size, KVH, D) into cold `blocks` (n,)."""
         codes, scale, low = quantize_keys(keys, self.fmt)  # codes (L, n, bs, KVH, C)
-        self.key_codes.index_copy_(1, blocks, codes.transpose(2, 3).contiguous())
+        self.key_codes.index_copy_(1, blocks, to_storage(codes, self.fmt).transpose(2, 3).contiguous())
         self.key_scale.index_copy_(1, blocks, scale)
-        self.key_min.index_copy_(1, blocks, low)
+        offset = low.float() + self.fmt.zero * scale.float()
+        self.key_offset.index_copy_(1, blocks, offset.to(scale.dtype))
         codes, scale, low = quantize_values(values, self.fmt)  # scale and min (L, n, bs, KVH)
-        self.value_codes.index_copy_(1, blocks, codes.transpose(2, 3).contiguous())
+        self.value_codes.index_copy_(1, blocks, to_storage(codes, self.fmt).transpose(2, 3).contiguous())
         self.value_scale.index_copy_(1, blocks, scale.transpose(2, 3).contiguous())
         self.value_min.index_copy_(1, blocks, low.transpose(2, 3).contiguous())
 
@@ -91,27 +95,16 @@ class ColdStore:
         """Cold blocks as attention reads them, per (sequence, KV head) pair; `head_blocks`
         (pairs * m,) are rows of (block, KV head) in (sequence, KV head, block) order. One gather
         of whole rows (a block's tokens of one KV head are contiguous); keys are dequantised into
-        the cache's dtype (a multiply-add per channel), values stay centred codes whose per-token
-        scale the attention weights absorb (a multiply-add per token would broadcast along the
-        innermost dimension, several times slower on CPU)."""
-        size, code_dim = self.key_codes.shape[3], self.key_codes.shape[4]
-        dim, dtype = self.key_scale.shape[-1], self.key_scale.dtype
-        blocks, zero = head_blocks.shape[0] // pairs, self.fmt.zero
-
-        def rows(t: torch.Tensor, width: int) -> torch.Tensor:
-            return t[layer].view(-1, width).index_select(0, head_blocks)
-
-        def codes(t: torch.Tensor) -> torch.Tensor:  # (pairs, m * bs, D), centred, in the cache's dtype
-            packed = rows(t, size * code_dim).view(pairs, blocks * size, code_dim)
-            return centred(packed, self.fmt).to(dtype)
-
-        key_scale = rows(self.key_scale, dim).view(pairs, blocks, 1, dim)
-        key_offset = rows(self.key_min, dim).view(pairs, blocks, 1, dim) + zero * key_scale
-        keys = torch.addcmul(key_offset, codes(self.key_codes).view(pairs, blocks, size, dim), key_scale)
-        value_scale = rows(self.value_scale, size).view(pairs, 1, blocks * size).float()
-        value_offset = rows(self.value_min, size).view(pairs, 1, blocks * size).float() + zero * value_scale
+        the cache's dtype (one multiply-add per element), values stay centred codes whose
+        per-token scale the attention weights absorb (a multiply-add per token would broadcast
+        along the innermost dimension, several times slower on CPU). See `kv_quant.read_rows`."""
+        keys, codes, scale, offset = read_rows(self.layer(layer), head_blocks, self.fmt)
+        dim = keys.shape[-1]
         return ColdHistory(
-            keys.view(pairs, blocks * size, dim), codes(self.value_codes), value_scale, value_offset
+            keys.view(pairs, -1, dim),
+            codes.view(pairs, -1, dim),
+            scale.view(pairs, 1, -1),
+            offset.view(pairs, 1, -1),
         )
 
 

@@ -10,6 +10,7 @@ device the cache lives on; no host round-trip.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -32,6 +33,11 @@ class QuantFormat:
     def zero(self) -> int:
         """The middle code, subtracted before codes enter a matmul (see `centred`)."""
         return 1 << (self.bits - 1)
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """8-bit codes are stored centred, as int8, ready to enter a matmul; 4-bit ones packed."""
+        return torch.int8 if self.bits == 8 else torch.uint8
 
     def code_dim(self, head_dim: int) -> int:
         """Bytes of codes per head and token."""
@@ -66,6 +72,16 @@ def centred(packed: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     if fmt.bits == 8:
         return torch.bitwise_xor(packed, 0x80).view(torch.int8)  # code - 128, bit for bit
     return unpack(packed, fmt).view(torch.int8) - fmt.zero
+
+
+def to_storage(packed: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    """Codes as `quantize_*` returns them -> the form a cache stores (`fmt.storage_dtype`)."""
+    return centred(packed, fmt) if fmt.bits == 8 else packed
+
+
+def stored_centred(stored: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    """Stored codes (see `to_storage`) -> centred codes, as int8; no work at all for 8 bits."""
+    return stored if fmt.bits == 8 else centred(stored, fmt)
 
 
 def _quantize(x: torch.Tensor, dim: int, fmt: QuantFormat) -> Quantized:
@@ -104,3 +120,37 @@ def dequantize_values(
     """codes (..., KVH, C), scale/min (..., KVH) -> values (..., KVH, D)."""
     values = unpack(codes, fmt).float().mul_(scale.unsqueeze(-1).float()).add_(low.unsqueeze(-1).float())
     return values.to(scale.dtype)
+
+
+class StoredLayer(NamedTuple):
+    """One layer of a quantised store, as `ColdStore` keeps it, rows being (block, KV head)."""
+
+    key_codes: torch.Tensor  # (blocks, KVH, block_size, C), `fmt.storage_dtype`
+    key_scale: torch.Tensor  # (blocks, KVH, D)
+    key_offset: torch.Tensor  # (blocks, KVH, D): min + zero * scale
+    value_codes: torch.Tensor  # (blocks, KVH, block_size, C)
+    value_scale: torch.Tensor  # (blocks, KVH, block_size)
+    value_min: torch.Tensor  # (blocks, KVH, block_size)
+
+
+def read_rows(
+    layer: StoredLayer, rows: torch.Tensor, fmt: QuantFormat
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows (n,) of (block, KV head) as attention reads them: keys (n, bs, D) dequantised into the
+    store's dtype (key = centred code * scale + offset); value codes (n, bs, D) centred, in that
+    dtype; value scale and offset (n, bs) in fp32 (value = centred code * scale + offset)."""
+    size, width = layer.key_codes.shape[-2], layer.key_codes.shape[-1]
+    dim, dtype = layer.key_scale.shape[-1], layer.key_scale.dtype
+
+    def codes(t: torch.Tensor) -> torch.Tensor:
+        stored = t.reshape(-1, size * width).index_select(0, rows).view(-1, size, width)
+        return stored_centred(stored, fmt).to(dtype)
+
+    def per_row(t: torch.Tensor, width: int) -> torch.Tensor:
+        return t.reshape(-1, width).index_select(0, rows)
+
+    scale, offset = per_row(layer.key_scale, dim).unsqueeze(1), per_row(layer.key_offset, dim).unsqueeze(1)
+    keys = torch.addcmul(offset, codes(layer.key_codes), scale)
+    value_scale = per_row(layer.value_scale, size).float()
+    value_offset = per_row(layer.value_min, size).float() + fmt.zero * value_scale
+    return keys, codes(layer.value_codes), value_scale, value_offset

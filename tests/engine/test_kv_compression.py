@@ -19,6 +19,7 @@ from engine.kv_quant import (
     dequantize_values,
     quantize_keys,
     quantize_values,
+    read_rows,
 )
 from engine.loader import LoadedModel
 from engine.selftest import stock_attention
@@ -109,6 +110,26 @@ def test_centred_codes_are_the_codes_minus_the_middle_one() -> None:
             codes if bits == 8 else codes[:, : codes.shape[1] // 2] | (codes[:, codes.shape[1] // 2 :] << 4)
         )
         assert torch.equal(centred(packed, fmt).long(), codes.long() - fmt.zero)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_reading_stored_blocks_gives_what_dequantising_the_codes_gives(bits: int) -> None:
+    """The store keeps 8-bit codes centred and a key offset in place of the minimum; reading any
+    (block, KV head) rows must still give the keys and values the quantised codes stand for."""
+    shape, size, fmt = KVShape(2, 2, 32, torch.float32), 16, QuantFormat(bits)
+    store = ColdStore(shape, fmt, 6, size, torch.device("cpu"))
+    assert store.key_codes.dtype == (torch.int8 if bits == 8 else torch.uint8)
+    blocks = outlier_keys(2, 2, 6, size, 2, 32)  # keys/values, (L, n, bs, KVH, D)
+    store.store(blocks[0], blocks[1], torch.arange(6))
+    rows = torch.tensor([11, 0, 5, 5, 2])  # (block, KV head) rows, in any order, repeats allowed
+    keys, codes, scale, offset = read_rows(store.layer(1), rows, fmt)
+    values = codes * scale.unsqueeze(-1) + offset.unsqueeze(-1)
+    expected_keys = dequantize_keys(*quantize_keys(blocks[0, 1], fmt), fmt)  # (n, bs, KVH, D)
+    expected_values = dequantize_values(*quantize_values(blocks[1, 1], fmt), fmt)
+    for i, row in enumerate(rows.tolist()):
+        block, head = divmod(row, 2)
+        torch.testing.assert_close(keys[i], expected_keys[block, :, head], rtol=0, atol=1e-4)
+        torch.testing.assert_close(values[i], expected_values[block, :, head], rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
