@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import time
 from collections.abc import Callable
@@ -67,10 +68,21 @@ def schedule(
     seed: int,
     min_count: int = 0,
     departments: tuple[str, ...] = DEPARTMENTS,
+    exact: bool = False,
 ) -> list[Arrival]:
     """Poisson arrivals at `rate_per_min` in all, split evenly over the departments, for
-    `duration_s` - or longer, at the same rate, until there are at least `min_count`."""
+    `duration_s` - or longer, at the same rate, until there are at least `min_count`.
+
+    `exact`: the same process conditioned on its count, the expected one (rate x duration,
+    rounded up, the window stretched to match): arrival times uniform over the window, each from
+    a department drawn evenly. A short level then offers exactly its nominal load; unconditioned,
+    45 s at 24/min sends anywhere from 11 to 25."""
     rng = random.Random(seed)
+    if exact:
+        count = max(min_count, math.ceil(rate_per_min * duration_s / 60 - 1e-9))
+        window = count * 60 / rate_per_min
+        times = sorted(rng.uniform(0, window) for _ in range(count))
+        return [Arrival(t, rng.choice(departments), rng.choice(corpus)) for t in times]
     per_department = rate_per_min / 60 / len(departments)  # arrivals per second
     clocks = {d: rng.expovariate(per_department) for d in departments}
     arrivals: list[Arrival] = []

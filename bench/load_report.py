@@ -118,8 +118,10 @@ def _change(before: float | None, after: float | None, higher_is_better: bool) -
     if before is None or after is None or not all(map(math.isfinite, (before, after))) or before == 0:
         return "-"
     ratio = after / before
-    arrow = "↑" if ratio >= 1 else "↓"
-    better = (ratio >= 1) == higher_is_better
+    if after == before:
+        return "same (1.00x)"
+    arrow = "↑" if ratio > 1 else "↓"
+    better = (ratio > 1) == higher_is_better
     return f"{arrow}{abs(ratio - 1):.0%} ({ratio:.2f}x, {'better' if better else 'worse'})"
 
 
@@ -135,7 +137,7 @@ def markdown(payload: dict[str, Any], levels: list[Level], plots: list[str]) -> 
         f"{payload['wall_s'] / 60:.1f} min.", "",
         f"Workload: {len(payload['departments'])} departments, each a Poisson stream of documents "
         f"({payload['corpus_docs']} corpus documents of 300-2,000 characters, zh/en, three kinds). Offered load "
-        f"rises level by level ({payload['level_s']:.0f} s of arrivals, at least {payload['min_docs']} documents "
+        f"rises level by level (at least {payload['level_s']:.0f} s of arrivals and {payload['min_docs']} documents "
         f"each) until P95 latency exceeds the SLO of {payload['slo_s']:.0f} s or more than 1 % of documents are not "
         f"answered within {payload['deadline_s']:.0f} s"
         + (f", the first configuration starting at {payload['start']:g}/min (one step down the grid at a time if "
@@ -149,9 +151,12 @@ def markdown(payload: dict[str, Any], levels: list[Level], plots: list[str]) -> 
         "unmeasured warm-up document, then idles until its configuration is measured (so the configurations "
         "measured first have idle workers beside them, holding memory, not compute). Throughput = "
         "documents answered within the deadline per minute of the arrival window; concurrency = mean documents "
-        "in flight over the window (sum of latencies / window). A short Poisson level sends more or fewer "
-        "documents than its nominal rate: sent/min is what it really offered, so throughput can exceed the "
-        "nominal load, not that.", "",
+        "in flight over the window (sum of latencies / window). "
+        + ("Each level sends the number of documents its load expects in its window (Poisson arrivals "
+           "conditioned on their count: random times, random departments; rounded up, the window stretched to "
+           "match), so sent/min is the nominal load." if payload.get("exact_counts") else
+           "A short Poisson level sends more or fewer documents than its nominal rate: sent/min is what it "
+           "really offered, so throughput can exceed the nominal load, not that."), "",
         "## Configurations, at their highest stable load", "",
         "| configuration | max stable load (docs/min) | mean latency | P95 latency | throughput (docs/min) | tokens/s | max stable concurrency | peak RSS | peak KV used / pool |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -179,7 +184,8 @@ def markdown(payload: dict[str, Any], levels: list[Level], plots: list[str]) -> 
             f"{_fmt(lv.ttft_p95_s, 2, ' s')} | {lv.completed_per_min:.1f} | {lv.tokens_per_s:.1f} | {lv.concurrency:.1f} | {'yes' if lv.stable else 'no'} |"
         )  # fmt: skip
     if payload.get("bursts"):
-        lines += ["", "## Burst: one sender, 15 documents of different lengths back to back", "",
+        when = ", first, on the idle worker" if payload.get("burst_first") else ", after the sweep"
+        lines += ["", f"## Burst: one sender, 15 documents of different lengths back to back{when}", "",
                   "| configuration | documents | answered | first result | last result | mean interval between results |",
                   "|---|---|---|---|---|---|"]  # fmt: skip
         for b in payload["bursts"]:

@@ -5,11 +5,11 @@ For each configuration - one request at a time (`DYNAMIC_BATCHING=false`), dynam
 dynamic batching with `KV_COMPRESSION=true` - a worker process of its own on topics of its own, the
 same KV pool size for all. The workers start together, and each reports its grammars compiled and
 answers one unmeasured warm-up document; then, one configuration at a time while the others idle:
-a sweep of rising offered load (five departments, open-loop Poisson arrivals) that stops at the
-first level whose P95 latency exceeds the SLO or where more than 1 % of documents are not answered
-within the deadline (the quick profile starts higher up the grid and steps down if nothing holds),
-then the article's burst (one sender, 15 documents of different lengths back to back). A
-configuration's worker stops once it has been measured.
+the article's burst (one sender, 15 documents of different lengths back to back) on the idle
+worker, then a sweep of rising offered load (five departments, open-loop Poisson arrivals) that
+stops at the first level whose P95 latency exceeds the SLO or where more than 1 % of documents are
+not answered within the deadline (the quick profile starts higher up the grid and steps down if
+nothing holds). A configuration's worker stops once it has been measured.
 Writes `load-report.md`, `load.json` (every document: when sent, what came back, when) and two
 PNG plots into `--out-dir`. Embedded broker by default; `KAFKA_BOOTSTRAP_SERVERS` for any Kafka.
 
@@ -61,9 +61,9 @@ CONFIGS = {  # name -> (label, environment)
 # minutes, and that one is run by both), and whether levels follow each other undrained.
 PROFILES: dict[str, dict[str, Any]] = {
     "quick": {"rates": [1.5, 3.0, 6.0, 12.0, 24.0], "start": 3.0, "level_s": 45.0, "min_docs": 3,
-              "burst": ["dynamic"], "skip": True, "staircase": False},
+              "burst": ["dynamic"], "skip": True, "staircase": False, "exact": True},
     "full": {"rates": [1.5, 3.0, 6.0, 12.0, 24.0, 48.0, 96.0], "start": None, "level_s": 600.0, "min_docs": 10,
-             "burst": list(CONFIGS), "skip": False, "staircase": False},
+             "burst": list(CONFIGS), "skip": False, "staircase": False, "exact": True},
 }  # fmt: skip
 
 
@@ -155,13 +155,26 @@ async def run_config(
     burst = None
     try:
         staged: list[tuple[int, float, float, list[Sent]]] = []  # (level, rate, window, sent)
+        if name in args.burst_configs:  # first, on an idle worker: after the sweep it would wait
+            # for an overloaded level's backlog, which costs minutes
+            progress.update(task, description=f"{name}: burst of {args.burst}", total=args.burst, completed=0)
+            start_ms = int(time.time() * 1000)
+            acks = [await sender.send(d, "burst", len(args.rates)) for d in burst_docs(corpus, args.burst)]
+            sent = list(await asyncio.gather(*acks))
+            await drain(collector, sent, args.deadline_s * 3, lambda n: progress.update(task, completed=n))
+            docs += sent
+            burst = burst_summary(name, sent, start_ms, args.deadline_s * 3)
 
         async def run_level(rate: float) -> list[Sent]:
             level = args.rates.index(rate)
-            arrivals = schedule(rate, args.level_s, corpus, seed=1000 + level, min_count=args.min_docs)
+            arrivals = schedule(
+                rate, args.level_s, corpus, seed=1000 + level, min_count=args.min_docs, exact=args.exact
+            )
             progress.update(task, description=f"{name}: {rate:g} docs/min", total=len(arrivals), completed=0)
             sent = await send_level(sender, arrivals, level, lambda: progress.advance(task), proc)
-            staged.append((level, rate, max(args.level_s, arrivals[-1].at_s), sent))
+            # The window the arrivals were drawn over: exact counts stretch it to keep the rate.
+            window = len(arrivals) * 60 / rate if args.exact else max(args.level_s, arrivals[-1].at_s)
+            staged.append((level, rate, window, sent))
             return sent
 
         for rate in rates:
@@ -185,15 +198,6 @@ async def run_config(
         for level, rate, window, sent in sorted(staged, key=lambda lv: lv[1]):
             docs += sent
             levels.append(summarise(name, level, rate, window, sent, args.deadline_s, args.slo_s))
-        if name in args.burst_configs:
-            await idle(collector, staged, progress, task, name)
-            progress.update(task, description=f"{name}: burst of {args.burst}", total=args.burst, completed=0)
-            start_ms = int(time.time() * 1000)
-            acks = [await sender.send(d, "burst", len(args.rates)) for d in burst_docs(corpus, args.burst)]
-            sent = list(await asyncio.gather(*acks))
-            await drain(collector, sent, args.deadline_s * 3, lambda n: progress.update(task, completed=n))
-            docs += sent
-            burst = burst_summary(name, sent, start_ms, args.deadline_s * 3)
         progress.update(task, description=f"{name}: done")
     finally:
         await run.close()
@@ -282,11 +286,11 @@ async def main_async(args: Any, console: Console) -> tuple[dict[str, Any], list[
     payload = {
         "profile": args.profile, "started": started, "wall_s": time.perf_counter() - t0,
         "machine": machine(args, broker), "departments": list(DEPARTMENTS), "corpus_docs": len(corpus),
-        "rates_per_min": args.rates, "level_s": args.level_s, "min_docs": args.min_docs, "skip_held_loads": args.skip, "start": args.start, "staircase": args.staircase, "deadline_s": args.deadline_s, "slo_s": args.slo_s,
+        "rates_per_min": args.rates, "level_s": args.level_s, "min_docs": args.min_docs, "skip_held_loads": args.skip, "start": args.start, "staircase": args.staircase, "exact_counts": args.exact, "deadline_s": args.deadline_s, "slo_s": args.slo_s,
         "kv_pool_mib": args.kv_pool_mib, "max_batch_size": args.max_batch, "configs": configs,
         "levels": [asdict(lv) | {"failure_rate": lv.failure_rate} for lv in levels],
         "max_stable": {c["name"]: asdict(s) if (s := max_stable([lv for lv in levels if lv.config == c["name"]])) else None for c in configs},
-        "bursts": [r[3] for r in results if r[3] is not None],
+        "bursts": [r[3] for r in results if r[3] is not None], "burst_first": True,
         "accounting": {
             "sent": len(docs), "answered": kinds.count("answered"), "dead_letters": kinds.count("dead_letter"),
             "timed_out": len(timed_out), "late": sum(d.answer is not None for d in timed_out),
@@ -315,6 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--staircase", action=argparse.BooleanOptionalAction, default=None,
         help="levels follow each other without draining in between (profile default)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--exact", action=argparse.BooleanOptionalAction, default=None,
+        help="each level sends its expected count of Poisson arrivals (profile default), not a random count",
     )  # fmt: skip
     parser.add_argument("--burst", type=int, default=15, help="documents in the one-sender burst")
     parser.add_argument("--burst-configs", help="configurations that run the burst (profile default)")
@@ -348,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     args.skip = args.skip if args.skip is not None else profile["skip"]
     args.start = args.start if args.start is not None else profile["start"]
     args.staircase = args.staircase if args.staircase is not None else profile["staircase"]
+    args.exact = args.exact if args.exact is not None else profile["exact"]
     args.burst_configs = args.burst_configs.split(",") if args.burst_configs is not None else profile["burst"]
     if args.worker == "pipeline":
         args.model = common.model_path(args.model)

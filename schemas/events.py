@@ -9,7 +9,7 @@ from __future__ import annotations
 import uuid
 from datetime import datetime
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
@@ -126,25 +126,35 @@ class Analysis(_Wire):
     triage: Triage | None = None
 
 
-# What a model may write, per language: (characters per sentence, characters per list item), and
-# items per list. Tighter than the wire model, so that a constrained answer always closes within
-# the generation budget (MAX_NEW_TOKENS, default 1,024) even when a small model would rather copy
-# the document: worst case about 1,300 characters of Chinese or 2,500 of English.
-ANSWER_BOUNDS = {Language.ZH: (120, 80), Language.EN: (300, 160)}
-ANSWER_MAX_ITEMS = 4
+class AnswerBounds(NamedTuple):
+    """Characters a model may write per field, in one language."""
+
+    viewpoint: int
+    rationale: int
+    item: int
+
+
+# What a model may write, per language, and items per list: the limits the prompts state (a
+# 40-word viewpoint, 25-word items; 60 and 40 characters in Chinese), with some room, and one
+# short rationale sentence. Tighter than the wire model: a small model left to itself copies the
+# document into every field up to whatever bound it is given, and the output's length is what an
+# analysis costs (its latency and the engine's capacity). Worst case about 750 characters of
+# Chinese or 1,850 of English, well within the generation budget (MAX_NEW_TOKENS, default 1,024).
+ANSWER_BOUNDS = {Language.ZH: AnswerBounds(80, 60, 60), Language.EN: AnswerBounds(240, 160, 150)}
+ANSWER_MAX_ITEMS = 3
 
 
 def analysis_json_schema(kind: DocumentKind, language: Language = Language.EN) -> dict[str, Any]:
     """The JSON Schema a model's answer must match for this kind and language: triage required for
     complaints, absent otherwise; lengths bounded. Handed to the engine's constrained decoder."""
     schema = Analysis.model_json_schema()
-    sentence, item = ANSWER_BOUNDS[language]
-    schema["properties"]["core_viewpoint"]["maxLength"] = sentence
-    schema["$defs"]["Sentiment"]["properties"]["rationale"]["maxLength"] = sentence
+    bounds = ANSWER_BOUNDS[language]
+    schema["properties"]["core_viewpoint"]["maxLength"] = bounds.viewpoint
+    schema["$defs"]["Sentiment"]["properties"]["rationale"]["maxLength"] = bounds.rationale
     for name in ("facts", "data", "conclusions"):
         field_schema = schema["$defs"]["KeyInformation"]["properties"][name]
         field_schema["maxItems"] = ANSWER_MAX_ITEMS
-        field_schema["items"]["maxLength"] = item
+        field_schema["items"]["maxLength"] = bounds.item
     if kind is DocumentKind.COMPLAINT:
         schema["properties"]["triage"] = {"$ref": "#/$defs/Triage"}
         schema["required"] = [*schema["required"], "triage"]

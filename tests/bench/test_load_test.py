@@ -40,6 +40,24 @@ def test_arrivals_are_poisson_at_the_offered_rate_split_over_the_departments() -
     assert arrivals != schedule(600.0, 600.0, corpus, seed=4)
 
 
+def test_exact_arrivals_offer_the_nominal_count_as_a_poisson_process_would_spread_it() -> None:
+    corpus = load_corpus()
+    arrivals = schedule(600.0, 600.0, corpus, seed=3, exact=True)
+    assert len(arrivals) == 6_000 and all(0 <= a.at_s < 600 for a in arrivals)
+    gaps = [b.at_s - a.at_s for a, b in itertools.pairwise(arrivals)]
+    assert min(gaps) >= 0
+    assert statistics.stdev(gaps) == pytest.approx(statistics.mean(gaps), rel=0.1)  # exponential-like
+    per_department = {d: sum(a.department == d for a in arrivals) for d in DEPARTMENTS}
+    assert all(abs(n - 1_200) < 4 * math.sqrt(1_200) for n in per_department.values())
+    # A short level sends its nominal count, every time, rounded up with the window stretched to
+    # keep the rate; so does a level that must send at least min_count.
+    assert {len(schedule(24.0, 45.0, corpus, seed=s, exact=True)) for s in range(20)} == {18}
+    odd = schedule(6.0, 45.0, corpus, seed=1, exact=True)  # 4.5 expected: 5 over 50 s
+    assert len(odd) == 5 and max(a.at_s for a in odd) < 50.0
+    few = schedule(3.0, 45.0, corpus, seed=1, min_count=4, exact=True)
+    assert len(few) == 4 and max(a.at_s for a in few) < 80.0
+
+
 def _sent(latency_s: float | None, answer: str | None = "analysis", tokens: int = 100) -> Sent:
     sent = Sent("e", "d", "c", 0, "legal", "complaint", "en", 500, sent_ms=1_000_000)
     if answer is not None and latency_s is not None:

@@ -60,5 +60,10 @@ def test_answer_schema_bounds_every_string_and_list(language: Language) -> None:
     key_info = schema["$defs"]["KeyInformation"]["properties"]
     assert all(key_info[n]["maxItems"] == ANSWER_MAX_ITEMS for n in ("facts", "data", "conclusions"))
     assert all("maxLength" in key_info[n]["items"] for n in ("facts", "data", "conclusions"))
-    assert schema["properties"]["core_viewpoint"]["maxLength"] == ANSWER_BOUNDS[language][0]
+    assert schema["properties"]["core_viewpoint"]["maxLength"] == ANSWER_BOUNDS[language].viewpoint
+    assert (
+        schema["$defs"]["Sentiment"]["properties"]["rationale"]["maxLength"]
+        == ANSWER_BOUNDS[language].rationale
+    )
+    assert all(key_info[n]["items"]["maxLength"] == ANSWER_BOUNDS[language].item for n in key_info)
     assert "maxLength" in schema["$defs"]["Triage"]["properties"]["category"]
