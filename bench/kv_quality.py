@@ -84,6 +84,7 @@ class DocResult:
     analysis: dict[str, Any] | None
     kv_bytes: int  # held by the document's block table at its last step
     kv_tokens: int  # tokens held then
+    error: str | None = None  # an invalid answer: why, and what the model wrote
     kl: list[float] = field(default_factory=list)  # teacher-forced, per output position
     top1: list[bool] = field(default_factory=list)
 
@@ -143,10 +144,11 @@ async def analysis_pass(
         handle = engine.submit(ids, params, observe)
         seq_id.append(handle.request_id)
         result = await handle.result()
+        error = None
         try:
             analysis: dict[str, Any] | None = parse_analysis(result.text, kind).model_dump(mode="json")
-        except AnalysisParseError:
-            analysis = None
+        except AnalysisParseError as exc:
+            analysis, error = None, f"{exc} | raw output: {result.text}"
         if top_k:
             rows[index] = (
                 torch.stack(rows_ids[: len(result.token_ids)]),
@@ -156,7 +158,7 @@ async def analysis_pass(
         return DocResult(
             doc["document_id"], kind.value, language.value, len(doc["text"]), doc.get("label_polarity"),
             len(ids), result.token_ids, result.total_s, result.ttft_s, analysis is not None, analysis,
-            kv_bytes, kv_tokens,
+            kv_bytes, kv_tokens, error,
         )  # fmt: skip
 
     started = time.perf_counter()
