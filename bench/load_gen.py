@@ -95,6 +95,14 @@ def schedule(
         clocks[department] = t + rng.expovariate(per_department)
 
 
+def arrival_window(arrivals: list[Arrival], rate_per_min: float, duration_s: float, exact: bool) -> float:
+    """The seconds `schedule` drew these arrivals over: with exact counts, the window stretched to
+    keep the rate; otherwise the duration, or longer if min_count ran past it."""
+    if exact:
+        return len(arrivals) * 60 / rate_per_min
+    return max(duration_s, arrivals[-1].at_s)
+
+
 @dataclass
 class Sent:
     """One document on the bus, and what became of it."""

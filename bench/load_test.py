@@ -41,7 +41,17 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from bench import common
-from bench.load_gen import DEPARTMENTS, Collector, CorpusDoc, Sender, Sent, drain, load_corpus, schedule
+from bench.load_gen import (
+    DEPARTMENTS,
+    Collector,
+    CorpusDoc,
+    Sender,
+    Sent,
+    arrival_window,
+    drain,
+    load_corpus,
+    schedule,
+)
 from bench.load_report import Level, markdown, max_stable, outcome, plot, summarise
 from bench.load_workers import Running, start_config, warm_up
 from pipeline.broker import embedded_broker
@@ -61,9 +71,9 @@ CONFIGS = {  # name -> (label, environment)
 # minutes, and that one is run by both), and whether levels follow each other undrained.
 PROFILES: dict[str, dict[str, Any]] = {
     "quick": {"rates": [1.5, 3.0, 6.0, 12.0, 24.0], "start": 3.0, "level_s": 45.0, "min_docs": 3,
-              "burst": ["dynamic"], "skip": True, "staircase": False, "exact": True},
+              "burst": ["dynamic"], "skip": True, "staircase": False},
     "full": {"rates": [1.5, 3.0, 6.0, 12.0, 24.0, 48.0, 96.0], "start": None, "level_s": 600.0, "min_docs": 10,
-             "burst": list(CONFIGS), "skip": False, "staircase": False, "exact": True},
+             "burst": list(CONFIGS), "skip": False, "staircase": False},
 }  # fmt: skip
 
 
@@ -172,9 +182,7 @@ async def run_config(
             )
             progress.update(task, description=f"{name}: {rate:g} docs/min", total=len(arrivals), completed=0)
             sent = await send_level(sender, arrivals, level, lambda: progress.advance(task), proc)
-            # The window the arrivals were drawn over: exact counts stretch it to keep the rate.
-            window = len(arrivals) * 60 / rate if args.exact else max(args.level_s, arrivals[-1].at_s)
-            staged.append((level, rate, window, sent))
+            staged.append((level, rate, arrival_window(arrivals, rate, args.level_s, args.exact), sent))
             return sent
 
         for rate in rates:
@@ -321,8 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         help="levels follow each other without draining in between (profile default)",
     )  # fmt: skip
     parser.add_argument(
-        "--exact", action=argparse.BooleanOptionalAction, default=None,
-        help="each level sends its expected count of Poisson arrivals (profile default), not a random count",
+        "--exact", action=argparse.BooleanOptionalAction, default=True,
+        help="each level sends its expected count of Poisson arrivals (default), not a random count",
     )  # fmt: skip
     parser.add_argument("--burst", type=int, default=15, help="documents in the one-sender burst")
     parser.add_argument("--burst-configs", help="configurations that run the burst (profile default)")
@@ -356,7 +364,6 @@ def main(argv: list[str] | None = None) -> int:
     args.skip = args.skip if args.skip is not None else profile["skip"]
     args.start = args.start if args.start is not None else profile["start"]
     args.staircase = args.staircase if args.staircase is not None else profile["staircase"]
-    args.exact = args.exact if args.exact is not None else profile["exact"]
     args.burst_configs = args.burst_configs.split(",") if args.burst_configs is not None else profile["burst"]
     if args.worker == "pipeline":
         args.model = common.model_path(args.model)

@@ -137,7 +137,9 @@ def decode_attention(
         cold = cache.cold.gathered(layer, group.cold_rows, num * kv_heads)  # (B*KVH, M*bs, D)
         split = cold.keys.shape[1]
         # Both parts' scores straight into one fp32 buffer (quantised history first), no concatenation.
-        scores = torch.empty(num * kv_heads, groups, split + group.max_len, device=q.device)
+        scores = torch.empty(
+            num * kv_heads, groups, split + group.max_len, dtype=torch.float32, device=q.device
+        )
         torch.mul(torch.bmm(q, cold.keys.transpose(1, 2)), scale, out=scores[..., :split])
         torch.mul(torch.bmm(q, key.transpose(1, 2)), scale, out=scores[..., split:])
     else:

@@ -146,8 +146,8 @@ def read_rows(
         stored = t.reshape(-1, size * width).index_select(0, rows).view(-1, size, width)
         return stored_centred(stored, fmt).to(dtype)
 
-    def per_row(t: torch.Tensor, width: int) -> torch.Tensor:
-        return t.reshape(-1, width).index_select(0, rows)
+    def per_row(t: torch.Tensor, row_width: int) -> torch.Tensor:
+        return t.reshape(-1, row_width).index_select(0, rows)
 
     scale, offset = per_row(layer.key_scale, dim).unsqueeze(1), per_row(layer.key_offset, dim).unsqueeze(1)
     keys = torch.addcmul(offset, codes(layer.key_codes), scale)
