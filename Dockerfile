@@ -11,7 +11,11 @@ COPY pipeline /app/pipeline
 FROM python:3.11-slim-bookworm AS cpu
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 \
     STATUS_HOST=0.0.0.0 MODEL_PATH=/model
-RUN useradd --create-home --uid 10001 analyst
+# gcc: with KV_COMPRESSION the engine builds its small C kernel for quantised KV reads at start, for
+# the CPU it runs on (engine/kv_native.c); without a compiler it falls back to torch, slower.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/* \
+ && useradd --create-home --uid 10001 analyst
 WORKDIR /app
 COPY --from=source /app ./
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \

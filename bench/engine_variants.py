@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams
+from engine.config import KVKernel
 from engine.loader import LoadedModel
 from prompts import render
 from schemas import DocumentKind, Language
@@ -90,12 +91,14 @@ def load_prompts(loaded: LoadedModel, count: int) -> list[list[int]]:
     docs = [json.loads(line) for line in CORPUS.read_text(encoding="utf-8").splitlines()]
     rng = random.Random(7)
     rng.shuffle(docs)  # a deterministic mix of kinds, languages and lengths
-    prompts = []
-    for doc in docs[:count]:
-        prompt = render(DocumentKind(doc["kind"]), Language(doc["language"]), doc["text"])
-        ids = loaded.tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=True)
-        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    return prompts
+    return [prompt_ids(loaded, doc) for doc in docs[:count]]
+
+
+def prompt_ids(loaded: LoadedModel, doc: dict[str, Any]) -> list[int]:
+    """A corpus document's prompt as the service renders it, as token ids."""
+    prompt = render(DocumentKind(doc["kind"]), Language(doc["language"]), doc["text"])
+    ids = loaded.tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def arrivals(n: int, rate: float, seed: int = 11) -> list[float]:
@@ -185,12 +188,13 @@ def engine_run(
     prefix_caching: bool = True,
     kv_cache_bytes: int = 1 << 30,
     kv_bits: int = 16,
+    kv_kernel: KVKernel = "auto",
 ) -> Run:
     async def go() -> Run:
         config = EngineConfig(
             model_path=Path("bench"), dynamic_batching=dynamic, max_batch_size=max_batch,
             kv_cache_bytes=kv_cache_bytes, max_tokens_per_step=budget, prefix_caching=prefix_caching,
-            kv_compression=kv_bits < 16, kv_quant_bits=kv_bits,
+            kv_compression=kv_bits < 16, kv_quant_bits=kv_bits, kv_kernel=kv_kernel,
         )  # fmt: skip
         engine = Engine(config, loaded)
         params = SamplingParams(max_new_tokens=n, ignore_eos=True)
@@ -211,7 +215,7 @@ def engine_run(
              "prefix_hit_tokens": stats.prefix_hit_tokens, "prompt_tokens": sum(map(len, prompts)),
              "preemptions": stats.num_preemptions, "kv_bytes_per_token": stats.kv_bytes_per_token,
              "kv_quantised_bytes_ratio": stats.kv_cold_bytes_per_token / stats.kv_bytes_per_token
-             if stats.kv_quant_bits else None},
+             if stats.kv_quant_bits else None, "kv_reader": stats.kv_reader},
         )  # fmt: skip
 
     return asyncio.run(go())

@@ -122,8 +122,8 @@ def decode_attention(
     KV head) pairs, reading a contiguous gather of the cache; softmax in fp32. On CPU this is
     several times faster in bf16 than `scaled_dot_product_attention(enable_gqa=True)`, which
     takes a slow path for single-token queries there. Quantised blocks are read a whole (block,
-    KV head) row at a time: keys dequantised, values as centred codes whose per-token scale goes
-    into the attention weights (see `ColdStore.gathered`).
+    KV head) row at a time, dequantised (see `ColdStore.gathered`); their scores and the
+    full-precision ones go into one buffer, and their values into the same output.
     """
     num, kv_heads, head_dim = group.rows.shape[0], cache.shape.num_kv_heads, query.shape[-1]
     groups = query.shape[0] // kv_heads
@@ -146,16 +146,11 @@ def decode_attention(
         scores = torch.bmm(q, key.transpose(1, 2)).float() * scale  # (B*KVH, G, L)
     if group.padding is not None:
         scores.view(num, kv_heads, groups, -1).masked_fill_(group.padding, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
     if cold is None:
-        return torch.bmm(probs.to(value.dtype), value).view(num, kv_heads * groups, head_dim)
-    out = torch.bmm(probs[..., split:].to(value.dtype), value)  # (B*KVH, G, D)
-    # v = code * s + offset per token, so p.v = (p*s).code + p.offset: the scale goes into the
-    # weights, and the offsets' weighted sum is one matrix-vector product per pair.
-    weights = probs[..., :split]
-    out = torch.baddbmm(out, (weights * cold.value_scale).to(value.dtype), cold.value_codes)
-    out += torch.bmm(weights, cold.value_offset.transpose(1, 2)).to(value.dtype)  # (B*KVH, G, 1)
-    return out.view(num, kv_heads * groups, head_dim)
+        return torch.bmm(probs, value).view(num, kv_heads * groups, head_dim)
+    out = torch.bmm(probs[..., split:], value)  # (B*KVH, G, D)
+    return torch.baddbmm(out, probs[..., :split], cold.values).view(num, kv_heads * groups, head_dim)
 
 
 def window_attention(query: torch.Tensor, key: torch.Tensor, window: int, scale: float) -> torch.Tensor:

@@ -9,6 +9,7 @@ from typing import Literal
 Device = Literal["auto", "cpu", "cuda"]
 PrunePolicy = Literal["attention", "heuristic"]
 DType = Literal["bfloat16", "float32"]
+KVKernel = Literal["auto", "torch"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class EngineConfig:
     kv_keep_ratio: float = 1.0  # < 1: prune each prompt to this share of its tokens once read
     kv_prune_policy: PrunePolicy = "attention"  # SnapKV-style scores, or the article's heuristic
     kv_observe_tokens: int = 32  # the observation window that scores (and is kept) when pruning
+    kv_kernel: KVKernel = "auto"  # auto: quantised blocks read by the C kernel on CPU (kv_native)
     kv_cache_bytes: int | None = None  # KV pool budget; None: kv_cache_memory_fraction of free memory
     kv_cache_memory_fraction: float = 0.2
     block_size: int = 16  # tokens per KV block

@@ -66,6 +66,7 @@ class EngineStats:
     kv_tokens: int  # tokens of running sequences whose keys and values are held
     kv_quant_bits: int | None  # None: uncompressed
     kv_cold_bytes_per_token: float  # of a quantised block, all layers; 0 when uncompressed
+    kv_reader: str | None  # how quantised blocks are read: "native-<isa>" or "torch"; None: none
     prefix_caching: bool
     prefix_cached_blocks: int  # blocks holding a registered prefix, in use or evictable
     prefix_hit_tokens: int  # prompt tokens adopted from the cache instead of computed, since start
@@ -259,6 +260,7 @@ class Engine:
             kv_tokens=sum(s.num_computed for s in self.scheduler.running),
             kv_quant_bits=cold.fmt.bits if cold else None,
             kv_cold_bytes_per_token=cold_block / self.cache.block_size,
+            kv_reader=cold.reader if cold else None,
             prefix_caching=self.blocks.prefix_caching,
             prefix_cached_blocks=self.blocks.num_cached,
             prefix_hit_tokens=self.blocks.num_cache_hits * self.blocks.block_size,

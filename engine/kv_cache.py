@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import kv_native
 from engine.config import EngineConfig
+from engine.kv_native import NativeKernel
 from engine.kv_quant import QuantFormat, StoredLayer, quantize_keys, quantize_values, read_rows, to_storage
 
 
@@ -39,17 +41,25 @@ class KVShape:
 
 class ColdStore:
     """Quantised blocks for every layer: key codes with a (scale, offset) per block and channel,
-    value codes with a (scale, min) per token. Block `i` here is block `num_hot + i` of the pool.
-    Head-major within a block (KVH, block_size, ...): a gather of blocks gives each (block, KV
-    head) its tokens contiguously, as the batched matmuls of decode attention want them. Stored
-    so that reading does the least work: 8-bit codes already centred (int8), and a key is
-    `centred code * scale + offset` with the offset (min + zero * scale) computed once, here."""
+    value codes with a (scale, offset) per token. Block `i` here is block `num_hot + i` of the
+    pool. Head-major within a block (KVH, block_size, ...): a gather of blocks gives each (block,
+    KV head) its tokens contiguously, as the batched matmuls of decode attention want them.
+    Stored so that reading does the least work: 8-bit codes already centred (int8), and every
+    element is `centred code * scale + offset` with the offset (min + zero * scale) computed
+    once, here. Read with the native kernel where one is given (CPU), else with torch."""
 
     def __init__(
-        self, shape: KVShape, fmt: QuantFormat, num_blocks: int, block_size: int, device: torch.device
+        self,
+        shape: KVShape,
+        fmt: QuantFormat,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        kernel: NativeKernel | None = None,
     ) -> None:
         self.fmt = fmt
         self.num_blocks = num_blocks
+        self.kernel = kernel
         layers, heads, dim = shape.num_layers, shape.num_kv_heads, shape.head_dim
         codes = (layers, num_blocks, heads, block_size, fmt.code_dim(dim))
         self.key_codes = torch.zeros(codes, dtype=fmt.storage_dtype, device=device)
@@ -58,12 +68,17 @@ class ColdStore:
         self.key_offset = torch.zeros_like(self.key_scale)
         per_token = (layers, num_blocks, heads, block_size)
         self.value_scale = torch.zeros(per_token, dtype=shape.dtype, device=device)
-        self.value_min = torch.zeros_like(self.value_scale)
+        self.value_offset = torch.zeros_like(self.value_scale)
+
+    @property
+    def reader(self) -> str:
+        """How blocks are read: "native-<isa>" (the C kernel) or "torch"."""
+        return f"native-{self.kernel.isa}" if self.kernel is not None else "torch"
 
     def layer(self, layer: int) -> StoredLayer:
         return StoredLayer(
             self.key_codes[layer], self.key_scale[layer], self.key_offset[layer],
-            self.value_codes[layer], self.value_scale[layer], self.value_min[layer],
+            self.value_codes[layer], self.value_scale[layer], self.value_offset[layer],
         )  # fmt: skip
 
     @staticmethod
@@ -76,7 +91,7 @@ class ColdStore:
     @property
     def total_bytes(self) -> int:
         parts = [self.key_codes, self.value_codes, self.key_scale, self.key_offset, self.value_scale]
-        parts.append(self.value_min)
+        parts.append(self.value_offset)
         return sum(t.numel() * t.element_size() for t in parts)
 
     def store(self, keys: torch.Tensor, values: torch.Tensor, blocks: torch.Tensor) -> None:
@@ -84,43 +99,45 @@ class ColdStore:
         codes, scale, low = quantize_keys(keys, self.fmt)  # codes (L, n, bs, KVH, C)
         self.key_codes.index_copy_(1, blocks, to_storage(codes, self.fmt).transpose(2, 3).contiguous())
         self.key_scale.index_copy_(1, blocks, scale)
-        offset = low.float() + self.fmt.zero * scale.float()
-        self.key_offset.index_copy_(1, blocks, offset.to(scale.dtype))
+        self.key_offset.index_copy_(1, blocks, self._offset(scale, low))
         codes, scale, low = quantize_values(values, self.fmt)  # scale and min (L, n, bs, KVH)
         self.value_codes.index_copy_(1, blocks, to_storage(codes, self.fmt).transpose(2, 3).contiguous())
         self.value_scale.index_copy_(1, blocks, scale.transpose(2, 3).contiguous())
-        self.value_min.index_copy_(1, blocks, low.transpose(2, 3).contiguous())
+        self.value_offset.index_copy_(1, blocks, self._offset(scale, low).transpose(2, 3).contiguous())
+
+    def _offset(self, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+        """x = code * scale + min = (code - zero) * scale + (min + zero * scale)."""
+        return (low.float() + self.fmt.zero * scale.float()).to(scale.dtype)
 
     def gathered(self, layer: int, head_blocks: torch.Tensor, pairs: int) -> ColdHistory:
-        """Cold blocks as attention reads them, per (sequence, KV head) pair; `head_blocks`
-        (pairs * m,) are rows of (block, KV head) in (sequence, KV head, block) order. One gather
-        of whole rows (a block's tokens of one KV head are contiguous); keys are dequantised into
-        the cache's dtype (one multiply-add per element), values stay centred codes whose
-        per-token scale the attention weights absorb (a multiply-add per token would broadcast
-        along the innermost dimension, several times slower on CPU). See `kv_quant.read_rows`."""
-        keys, codes, scale, offset = read_rows(self.layer(layer), head_blocks, self.fmt)
+        """Cold blocks as attention reads them, dequantised into the cache's dtype, per (sequence,
+        KV head) pair; `head_blocks` (pairs * m,) are rows of (block, KV head) in (sequence, KV
+        head, block) order, so that each pair's tokens come out contiguous and in order."""
+        stored = self.layer(layer)
+        if self.kernel is None:
+            keys, values = read_rows(stored, head_blocks, self.fmt)
+        else:
+            size, width = stored.key_codes.shape[-2:]
+            bits, read = self.fmt.bits, self.kernel.dequantize
+            keys = read(
+                stored.key_codes.view(-1, size, width), stored.key_scale.flatten(0, 1),
+                stored.key_offset.flatten(0, 1), head_blocks, bits, per_token=False,
+            )  # fmt: skip
+            values = read(
+                stored.value_codes.view(-1, size, width), stored.value_scale.flatten(0, 1),
+                stored.value_offset.flatten(0, 1), head_blocks, bits, per_token=True,
+            )  # fmt: skip
         dim = keys.shape[-1]
-        return ColdHistory(
-            keys.view(pairs, -1, dim),
-            codes.view(pairs, -1, dim),
-            scale.view(pairs, 1, -1),
-            offset.view(pairs, 1, -1),
-        )
+        return ColdHistory(keys.view(pairs, -1, dim), values.view(pairs, -1, dim))
 
 
 @dataclass(frozen=True)
 class ColdHistory:
-    """Quantised blocks read for attention, per (sequence, KV head) pair, m * bs tokens each."""
+    """Quantised blocks read for attention, per (sequence, KV head) pair, m * bs tokens each,
+    dequantised into the cache's dtype."""
 
-    keys: torch.Tensor  # (pairs, m * bs, D) dequantised, in the cache's dtype
-    value_codes: torch.Tensor  # (pairs, m * bs, D) centred codes, in the cache's dtype
-    value_scale: torch.Tensor  # (pairs, 1, m * bs) fp32: value = code * scale + offset
-    value_offset: torch.Tensor  # (pairs, 1, m * bs) fp32
-
-    def values(self) -> torch.Tensor:
-        """The values dequantised, (pairs, m * bs, D): for kernels that take values whole."""
-        scale, offset = self.value_scale.transpose(1, 2), self.value_offset.transpose(1, 2)
-        return torch.addcmul(offset, self.value_codes.float(), scale).to(self.keys.dtype)
+    keys: torch.Tensor  # (pairs, m * bs, D)
+    values: torch.Tensor  # (pairs, m * bs, D)
 
 
 class KVCache:
@@ -183,7 +200,7 @@ class KVCache:
             cold = self.cold.gathered(
                 layer, head_major_rows(cold_blocks[None, :], heads), heads
             )  # (KVH, m * bs, D)
-            key, value = torch.cat((cold.keys, key), dim=1), torch.cat((cold.values(), value), dim=1)
+            key, value = torch.cat((cold.keys, key), dim=1), torch.cat((cold.values, value), dim=1)
         return key.unsqueeze(0), value.unsqueeze(0)
 
 
@@ -230,4 +247,8 @@ def build_cache(config: EngineConfig, shape: KVShape, device: torch.device) -> K
         hot_needed += -(-4096 // size)
     hot = min(max(1, budget // hot_bytes), hot_needed)
     cold = max(0, budget - hot * hot_bytes) // ColdStore.bytes_per_block(shape, fmt, size)
-    return KVCache(shape, hot, size, device, ColdStore(shape, fmt, cold, size, device) if cold else None)
+    if not cold:
+        return KVCache(shape, hot, size, device)
+    native = config.kv_kernel == "auto" and device.type == "cpu" and shape.dtype in kv_native.DTYPES
+    kernel = kv_native.load() if native else None
+    return KVCache(shape, hot, size, device, ColdStore(shape, fmt, cold, size, device, kernel))

@@ -123,22 +123,21 @@ def dequantize_values(
 
 
 class StoredLayer(NamedTuple):
-    """One layer of a quantised store, as `ColdStore` keeps it, rows being (block, KV head)."""
+    """One layer of a quantised store, as `ColdStore` keeps it, rows being (block, KV head).
+    Every element reads as `centred code * scale + offset`, the offset being min + zero * scale."""
 
     key_codes: torch.Tensor  # (blocks, KVH, block_size, C), `fmt.storage_dtype`
-    key_scale: torch.Tensor  # (blocks, KVH, D)
-    key_offset: torch.Tensor  # (blocks, KVH, D): min + zero * scale
+    key_scale: torch.Tensor  # (blocks, KVH, D): per channel of the block
+    key_offset: torch.Tensor  # (blocks, KVH, D)
     value_codes: torch.Tensor  # (blocks, KVH, block_size, C)
-    value_scale: torch.Tensor  # (blocks, KVH, block_size)
-    value_min: torch.Tensor  # (blocks, KVH, block_size)
+    value_scale: torch.Tensor  # (blocks, KVH, block_size): per token
+    value_offset: torch.Tensor  # (blocks, KVH, block_size)
 
 
-def read_rows(
-    layer: StoredLayer, rows: torch.Tensor, fmt: QuantFormat
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows (n,) of (block, KV head) as attention reads them: keys (n, bs, D) dequantised into the
-    store's dtype (key = centred code * scale + offset); value codes (n, bs, D) centred, in that
-    dtype; value scale and offset (n, bs) in fp32 (value = centred code * scale + offset)."""
+def read_rows(layer: StoredLayer, rows: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows (n,) of (block, KV head), dequantised into the store's dtype: keys and values, each
+    (n, bs, D). Plain torch on the store's device (the reference for `kv_native`, which does the
+    same in one pass on CPU)."""
     size, width = layer.key_codes.shape[-2], layer.key_codes.shape[-1]
     dim, dtype = layer.key_scale.shape[-1], layer.key_scale.dtype
 
@@ -149,8 +148,8 @@ def read_rows(
     def per_row(t: torch.Tensor, row_width: int) -> torch.Tensor:
         return t.reshape(-1, row_width).index_select(0, rows)
 
-    scale, offset = per_row(layer.key_scale, dim).unsqueeze(1), per_row(layer.key_offset, dim).unsqueeze(1)
-    keys = torch.addcmul(offset, codes(layer.key_codes), scale)
-    value_scale = per_row(layer.value_scale, size).float()
-    value_offset = per_row(layer.value_min, size).float() + fmt.zero * value_scale
-    return keys, codes(layer.value_codes), value_scale, value_offset
+    key_scale, key_offset = per_row(layer.key_scale, dim)[:, None], per_row(layer.key_offset, dim)[:, None]
+    keys = torch.addcmul(key_offset, codes(layer.key_codes), key_scale)  # per channel
+    value_scale, value_offset = per_row(layer.value_scale, size), per_row(layer.value_offset, size)
+    values = torch.addcmul(value_offset[..., None], codes(layer.value_codes), value_scale[..., None])
+    return keys, values

@@ -64,6 +64,7 @@ def engine_config(settings: Settings, model_path: Path) -> EngineConfig:
         kv_keep_ratio=settings.kv_keep_ratio,
         kv_prune_policy=settings.kv_prune_policy,
         kv_observe_tokens=settings.kv_observe_tokens,
+        kv_kernel=settings.kv_kernel,
         kv_cache_bytes=settings.kv_cache_bytes,
         kv_cache_memory_fraction=settings.kv_cache_memory_fraction,
         max_tokens_per_step=settings.max_tokens_per_step,

@@ -69,6 +69,9 @@ class Settings(BaseSettings):
     kv_keep_ratio: float = Field(default=1.0, gt=0, le=1, description="Share of each prompt kept (pruning).")
     kv_prune_policy: Literal["attention", "heuristic"] = "attention"
     kv_observe_tokens: int = Field(default=32, ge=1, le=1024, description="Observation window when pruning.")
+    kv_kernel: Literal["auto", "torch"] = Field(
+        default="auto", description="auto: quantised KV blocks read by a C kernel built at start (CPU)."
+    )
     max_batch_size: int = Field(default=8, ge=1, le=256)
     dynamic_batch_window_ms: float = Field(default=150.0, ge=0, le=10_000)
     max_tokens_per_step: int = Field(default=192, ge=1, description="Prefill chunks + decodes per forward.")

@@ -22,6 +22,7 @@ def status_report(service: Service) -> dict[str, Any]:
             "sink_tokens": service.settings.kv_sink_tokens,
             "keep_ratio": service.settings.kv_keep_ratio,
             "prune_policy": service.settings.kv_prune_policy,
+            "reader": stats.kv_reader,
         }
         if stats.kv_compression
         else None,

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, SamplingParams
+from engine import Engine, EngineConfig, SamplingParams, kv_native
 from engine.attention import SeqSlice, decode_attention, group_decodes, window_attention
 from engine.kv_cache import ColdStore, KVCache, KVShape, slots_of
+from engine.kv_native import NativeKernel, NativeKernelError
 from engine.kv_prune import heuristic_scores, select_kept, smooth
 from engine.kv_quant import (
     QuantFormat,
@@ -19,7 +20,6 @@ from engine.kv_quant import (
     dequantize_values,
     quantize_keys,
     quantize_values,
-    read_rows,
 )
 from engine.loader import LoadedModel
 from engine.selftest import stock_attention
@@ -112,24 +112,72 @@ def test_centred_codes_are_the_codes_minus_the_middle_one() -> None:
         assert torch.equal(centred(packed, fmt).long(), codes.long() - fmt.zero)
 
 
+def native_kernel() -> NativeKernel:
+    """The C kernel; a machine with a C compiler that cannot build it is a failure, not a skip."""
+    if kv_native._compiler() is None:
+        pytest.skip("no C compiler: the native KV kernel cannot be built here")
+    kernel = kv_native.load()
+    assert kernel is not None, "a C compiler is present, yet the native KV kernel did not build"
+    return kernel
+
+
+@pytest.mark.parametrize("reader", ["torch", "native"])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_reading_stored_blocks_gives_what_dequantising_the_codes_gives(bits: int) -> None:
-    """The store keeps 8-bit codes centred and a key offset in place of the minimum; reading any
-    (block, KV head) rows must still give the keys and values the quantised codes stand for."""
+def test_reading_stored_blocks_gives_what_dequantising_the_codes_gives(bits: int, reader: str) -> None:
+    """The store keeps 8-bit codes centred and offsets (min + zero * scale) in place of the
+    minimums; reading any (block, KV head) rows, with torch or the C kernel, must still give the
+    keys and values the quantised codes stand for."""
+    kernel = native_kernel() if reader == "native" else None
     shape, size, fmt = KVShape(2, 2, 32, torch.float32), 16, QuantFormat(bits)
-    store = ColdStore(shape, fmt, 6, size, torch.device("cpu"))
+    store = ColdStore(shape, fmt, 6, size, torch.device("cpu"), kernel)
     assert store.key_codes.dtype == (torch.int8 if bits == 8 else torch.uint8)
+    assert store.reader == ("torch" if kernel is None else f"native-{kernel.isa}")
     blocks = outlier_keys(2, 2, 6, size, 2, 32)  # keys/values, (L, n, bs, KVH, D)
     store.store(blocks[0], blocks[1], torch.arange(6))
     rows = torch.tensor([11, 0, 5, 5, 2])  # (block, KV head) rows, in any order, repeats allowed
-    keys, codes, scale, offset = read_rows(store.layer(1), rows, fmt)
-    values = codes * scale.unsqueeze(-1) + offset.unsqueeze(-1)
+    history = store.gathered(1, rows, pairs=5)  # one row per "pair": (5, bs, D)
     expected_keys = dequantize_keys(*quantize_keys(blocks[0, 1], fmt), fmt)  # (n, bs, KVH, D)
     expected_values = dequantize_values(*quantize_values(blocks[1, 1], fmt), fmt)
     for i, row in enumerate(rows.tolist()):
         block, head = divmod(row, 2)
-        torch.testing.assert_close(keys[i], expected_keys[block, :, head], rtol=0, atol=1e-4)
-        torch.testing.assert_close(values[i], expected_values[block, :, head], rtol=0, atol=1e-4)
+        torch.testing.assert_close(history.keys[i], expected_keys[block, :, head], rtol=0, atol=1e-4)
+        torch.testing.assert_close(history.values[i], expected_values[block, :, head], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("head_dim", [64, 24])  # 24: not a multiple of the vector width (portable loop)
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_native_kernel_reads_bf16_blocks_as_torch_does(bits: int, head_dim: int) -> None:
+    """bf16 store, every row read once and some twice: the kernel's one fused multiply-add
+    rounds once, torch's bf16 multiply-add may round differently by one bf16 step at most."""
+    kernel = native_kernel()
+    shape, size, fmt = KVShape(1, 2, head_dim, torch.bfloat16), 16, QuantFormat(bits)
+    stores = [ColdStore(shape, fmt, 8, size, torch.device("cpu"), k) for k in (None, kernel)]
+    blocks = (outlier_keys(2, 1, 8, size, 2, head_dim) * 0.1).to(torch.bfloat16)
+    for store in stores:
+        store.store(blocks[0], blocks[1], torch.arange(8))
+    rows = torch.cat((torch.randperm(16, generator=torch.Generator().manual_seed(2)), torch.tensor([3, 3])))
+    by_torch, by_kernel = (store.gathered(0, rows, pairs=2) for store in stores)
+    for got, expected in ((by_kernel.keys, by_torch.keys), (by_kernel.values, by_torch.values)):
+        assert got.dtype == torch.bfloat16 and got.shape == (2, 9 * size, head_dim)
+        torch.testing.assert_close(got, expected, rtol=2**-7, atol=1e-6)
+
+
+def test_the_native_kernel_refuses_what_it_cannot_read() -> None:
+    kernel = native_kernel()
+    codes = torch.zeros(4, 16, 8, dtype=torch.int8)  # 4 rows of 16 tokens, 8 channels
+    scale = offset = torch.ones(4, 8)
+    read = kernel.dequantize(codes, scale, offset, torch.tensor([3, 0]), 8, per_token=False)
+    assert read.shape == (2, 16, 8)
+    with pytest.raises(NativeKernelError, match="out of range"):
+        kernel.dequantize(codes, scale, offset, torch.tensor([4]), 8, per_token=False)
+    with pytest.raises(NativeKernelError, match="out of range"):
+        kernel.dequantize(codes, scale, offset, torch.tensor([-1]), 8, per_token=False)
+    with pytest.raises(NativeKernelError, match="scale/offset"):  # per token: (4, 16) expected
+        kernel.dequantize(codes, scale, offset, torch.tensor([0]), 8, per_token=True)
+    with pytest.raises(NativeKernelError, match="4-bit codes"):
+        kernel.dequantize(codes, scale, offset, torch.tensor([0]), 4, per_token=False)
+    with pytest.raises(NativeKernelError, match="contiguous"):
+        kernel.dequantize(codes, scale.t().contiguous().t(), offset, torch.tensor([0]), 8, per_token=False)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -205,6 +253,21 @@ async def test_compressed_engine_holds_fewer_bytes_and_agrees_with_uncompressed(
     assert min(ratios) < 0.75
     agree = sum(a == b for x, y in zip(plain, int8, strict=True) for a, b in zip(x, y, strict=True))
     assert agree / sum(map(len, plain)) >= 0.95
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+async def test_the_native_and_torch_readers_generate_the_same_tokens(tiny: LoadedModel, bits: int) -> None:
+    """On CPU the engine reads quantised blocks with the C kernel unless told otherwise; both
+    readers give the same fp32 values to rounding, so greedy decoding must not fork."""
+    if tiny.device.type != "cpu":
+        pytest.skip("the native reader is for CPU caches")
+    kernel = native_kernel()
+    config = EngineConfig(Path("unused"), dtype="float32", kv_cache_bytes=1 << 22, kv_compression=True)
+    assert Engine(config, tiny).stats().kv_reader == f"native-{kernel.isa}"
+    options = {"kv_compression": True, "kv_quant_bits": bits, "kv_residual_tokens": 8}
+    native, _ = await run(tiny, **options)
+    by_torch, _ = await run(tiny, **options, kv_kernel="torch")
+    assert native == by_torch
 
 
 async def test_status_reports_compression(tiny: LoadedModel) -> None:

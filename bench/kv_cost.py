@@ -1,0 +1,137 @@
+"""KV compression's throughput cost at equal batch size and equal work, in one run.
+
+Every profile serves the same documents (evenly spaced over data/kv-corpus.jsonl, rendered as the
+service renders them) with the same number of generated tokens each (greedy, EOS ignored), all
+submitted at once to an engine with the same MAX_BATCH_SIZE and a pool large enough that no
+request waits for blocks or is preempted (the table says if one was). Prefix caching is off by
+default, as in `bench.kv_quality`: every document's blocks are its own, so the most KV is read.
+The only difference between two runs is how KV blocks are stored and read.
+
+Profiles: `off`; `int8` and `int4` (quantised blocks read by the native kernel, the engine's
+default on CPU); `int8-torch` and `int4-torch` (the same blocks read by torch alone: what the
+kernel is worth; only when named in --profiles, except int8-torch, which runs by default).
+This machine's timings vary by several per cent from run to run, so every profile runs in each
+of --rounds rounds, back to back, in an order rotated from round to round; the cost is taken
+within a round (1 - tokens/s over `off`'s tokens/s in that round) and the median round reported,
+every run in the JSON.
+
+    python -m bench.kv_cost --out bench/results/kv-cost-cpu.json
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from bench import common
+from bench.engine_variants import engine_run, prompt_ids
+from bench.kv_quality import load_corpus
+from engine.config import KVKernel
+from engine.loader import load_model
+
+PROFILES: dict[str, tuple[int, KVKernel]] = {  # KV bits (16: uncompressed), reader
+    "off": (16, "auto"),
+    "int8": (8, "auto"),
+    "int4": (4, "auto"),
+    "int8-torch": (8, "torch"),
+    "int4-torch": (4, "torch"),
+}
+DEFAULT_PROFILES = "off,int8,int4,int8-torch"
+
+
+def rotated(names: list[str], round_: int) -> list[str]:
+    """The profiles in the order round `round_` runs them: each round starts one later."""
+    shift = round_ % len(names)
+    return names[shift:] + names[:shift]
+
+
+def costs(runs: list[dict[str, Any]], name: str) -> list[float]:
+    """Per round: 1 - this profile's tokens/s over `off`'s in the same round."""
+    by_round: dict[int, dict[str, float]] = {}
+    for r in runs:
+        by_round.setdefault(r["round"], {})[r["profile"]] = r["tok_s"]
+    return [1 - r[name] / r["off"] for _, r in sorted(by_round.items()) if {name, "off"} <= r.keys()]
+
+
+def main() -> None:
+    parser = common.parser(__doc__)
+    parser.add_argument("--profiles", default=DEFAULT_PROFILES, help=f"of {', '.join(PROFILES)}")
+    parser.add_argument("--docs", type=int, default=24)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--step-tokens", type=int, default=192)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--pool-mib", type=int, default=1024)
+    parser.add_argument("--prefix-caching", action="store_true", help="reuse shared prompt prefixes")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/kv-cost.json"))
+    args = parser.parse_args()
+    names = [n for n in args.profiles.split(",") if n]
+    if "off" not in names or any(n not in PROFILES for n in names):
+        parser.error(f"--profiles must name off and only these: {', '.join(PROFILES)}")
+    console = Console(width=150)
+    args.model = common.model_path(args.model)
+    loaded = load_model(args.model, dtype="bfloat16")
+    prompts = [prompt_ids(loaded, doc) for doc in load_corpus(args.docs)]
+    at = [0.0] * len(prompts)
+    runs: list[dict[str, Any]] = []
+    for round_ in range(args.rounds):
+        for name in rotated(names, round_):
+            bits, kernel = PROFILES[name]
+            run = engine_run(
+                loaded, prompts, args.new_tokens, at, True, args.max_batch, args.step_tokens,
+                args.prefix_caching, args.pool_mib << 20, bits, kernel,
+            )  # fmt: skip
+            runs.append({"round": round_, "profile": name, **run.row(), "wall_s": run.wall_s,
+                         "tokens": run.tokens, "extra": run.extra})  # fmt: skip
+            console.print(
+                f"round {round_} {name}: {runs[-1]['tok_s']:.1f} tok/s, p95 {runs[-1]['p95_s']:.1f} s"
+            )
+            write(args, runs)
+
+    table = Table("profile", "reader", "tok/s (median)", "tok/s range", "cost vs off (median round)",
+                  "cost per round", "p95 s", "mean batch", "preemptions",
+                  title=f"KV compression cost, {len(prompts)} documents x {args.new_tokens} tokens, "
+                        f"batch {args.max_batch}, prefix caching {'on' if args.prefix_caching else 'off'}")  # fmt: skip
+    for name in names:
+        mine = [r for r in runs if r["profile"] == name]
+        rates = [r["tok_s"] for r in mine]
+        cost = costs(runs, name) if name != "off" else []
+        table.add_row(
+            name, str(mine[0]["extra"].get("kv_reader") or "-"), f"{statistics.median(rates):.1f}",
+            f"{min(rates):.1f}-{max(rates):.1f}", f"{statistics.median(cost):.1%}" if cost else "-",
+            " ".join(f"{c:.1%}" for c in cost) or "-", f"{statistics.median(r['p95_s'] for r in mine):.1f}",
+            f"{statistics.median(r['extra']['mean_batch'] for r in mine):.2f}",
+            str(sum(r["extra"]["preemptions"] for r in mine)),
+        )  # fmt: skip
+    console.print(table)
+    console.print(f"wrote {args.out}")
+
+
+def write(args: Any, runs: list[dict[str, Any]]) -> None:
+    names = [n for n in args.profiles.split(",") if n]
+    summary = {
+        name: {
+            "tok_s_median": statistics.median(r["tok_s"] for r in runs if r["profile"] == name),
+            "cost_per_round": costs(runs, name),
+            "cost_median": statistics.median(costs(runs, name)) if costs(runs, name) else None,
+        }
+        for name in names
+        if name != "off" and any(r["profile"] == name for r in runs)
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "machine": {"threads": torch.get_num_threads(), "platform": platform.platform(), "torch": torch.__version__},
+        "config": vars(args) | {"model": str(args.model), "out": str(args.out)},
+        "summary": summary, "runs": runs,
+    }, indent=1, default=str))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+/* Gather-and-dequantise of quantised KV rows on the CPU, in one pass (see engine/kv_native.py).
+ *
+ * A row is one (block, KV head) of the quantised store: `block` tokens of `dim` channels.
+ * Codes are 8-bit (int8, already centred) or 4-bit (two to a byte: the low nibble holds
+ * channel d, the high nibble channel d + dim/2; stored uncentred, 0..15, centre 8). Each
+ * element is x = centred(code) * scale + offset, with (scale, offset) per channel of the row
+ * (keys) or per token of the row (values), in the cache's dtype: bfloat16 or float32.
+ * Arithmetic is float32 with one fused multiply-add; bfloat16 results are rounded to nearest
+ * even, as torch rounds.
+ *
+ * Torch's eager CPU path needs a gather, a conversion and a broadcast multiply-add, each a pass
+ * over memory; this is one. Single-threaded on the calling thread: a second thread pool would
+ * fight torch's OpenMP workers for the same cores.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define KV_AVX512 1
+#else
+#define KV_AVX512 0
+#endif
+
+typedef struct {
+    const void *codes;  /* [rows][block][width] */
+    const void *scale;  /* [rows][dim] per channel, or [rows][block] per token */
+    const void *offset; /* same shape as scale */
+    int bits;           /* 8 or 4 */
+    int per_token;      /* 1: (scale, offset) per token of the row, 0: per channel */
+    int fp32;           /* 1: scale, offset and out are float32, 0: bfloat16 */
+    int64_t block, dim;
+} kv_layer;
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; inputs are finite */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float load1(const void *p, int64_t i, int fp32) {
+    return fp32 ? ((const float *)p)[i] : bf16_to_f32(((const uint16_t *)p)[i]);
+}
+
+static inline void store1(void *p, int64_t i, float x, int fp32) {
+    if (fp32)
+        ((float *)p)[i] = x;
+    else
+        ((uint16_t *)p)[i] = f32_to_bf16(x);
+}
+
+static inline int code_at(const kv_layer *l, const uint8_t *row, int64_t t, int64_t d) {
+    if (l->bits == 8)
+        return ((const int8_t *)row)[t * l->dim + d];
+    int64_t half = l->dim / 2;
+    uint8_t byte = row[t * half + (d < half ? d : d - half)];
+    return (d < half ? (byte & 0x0F) : (byte >> 4)) - 8;
+}
+
+static void row_generic(const kv_layer *l, int64_t r, void *out, int64_t o) {
+    int64_t width = l->bits == 8 ? l->dim : l->dim / 2;
+    const uint8_t *row = (const uint8_t *)l->codes + r * l->block * width;
+    for (int64_t t = 0; t < l->block; t++)
+        for (int64_t d = 0; d < l->dim; d++) {
+            int64_t k = l->per_token ? r * l->block + t : r * l->dim + d;
+            float x = (float)code_at(l, row, t, d) * load1(l->scale, k, l->fp32) + load1(l->offset, k, l->fp32);
+            store1(out, o + t * l->dim + d, x, l->fp32);
+        }
+}
+
+#if KV_AVX512
+static inline __m512 load16(const void *p, int64_t i, int fp32) {
+    if (fp32)
+        return _mm512_loadu_ps((const float *)p + i);
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline void store16(void *p, int64_t i, __m512 x, int fp32) {
+    if (fp32)
+        _mm512_storeu_ps((float *)p + i, x);
+    else
+        _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), (__m256i)_mm512_cvtneps_pbh(x));
+}
+
+/* Sixteen channels' scale and offset for token t of row r (broadcast when per token). */
+static inline void params16(const kv_layer *l, int64_t r, int64_t t, int64_t d, __m512 *s, __m512 *b) {
+    if (l->per_token) {
+        *s = _mm512_set1_ps(load1(l->scale, r * l->block + t, l->fp32));
+        *b = _mm512_set1_ps(load1(l->offset, r * l->block + t, l->fp32));
+    } else {
+        *s = load16(l->scale, r * l->dim + d, l->fp32);
+        *b = load16(l->offset, r * l->dim + d, l->fp32);
+    }
+}
+
+static void row_avx512(const kv_layer *l, int64_t r, void *out, int64_t o) {
+    __m512 s, b, s2, b2;
+    if (l->bits == 8) {
+        const int8_t *row = (const int8_t *)l->codes + r * l->block * l->dim;
+        for (int64_t t = 0; t < l->block; t++)
+            for (int64_t d = 0; d < l->dim; d += 16) {
+                params16(l, r, t, d, &s, &b);
+                __m128i c = _mm_loadu_si128((const __m128i *)(row + t * l->dim + d));
+                __m512 x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c));
+                store16(out, o + t * l->dim + d, _mm512_fmadd_ps(x, s, b), l->fp32);
+            }
+        return;
+    }
+    int64_t half = l->dim / 2;
+    const uint8_t *row = (const uint8_t *)l->codes + r * l->block * half;
+    const __m512i nibble = _mm512_set1_epi32(0x0F), centre = _mm512_set1_epi32(8);
+    for (int64_t t = 0; t < l->block; t++)
+        for (int64_t d = 0; d < half; d += 16) {
+            params16(l, r, t, d, &s, &b);
+            params16(l, r, t, d + half, &s2, &b2);
+            __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + t * half + d)));
+            __m512 lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(c, nibble), centre));
+            __m512 hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(c, 4), centre));
+            store16(out, o + t * l->dim + d, _mm512_fmadd_ps(lo, s, b), l->fp32);
+            store16(out, o + t * l->dim + d + half, _mm512_fmadd_ps(hi, s2, b2), l->fp32);
+        }
+}
+#endif
+
+/* The instruction set the rows are read with: "avx512-bf16" or "generic". */
+const char *kv_native_isa(void) { return KV_AVX512 ? "avx512-bf16" : "generic"; }
+
+/* out[i] = row rows[i] of the layer (of num_rows), dequantised: out is [n][block][dim].
+ * Returns 0, or -1 (and writes nothing) when a row is out of range or the format is unknown. */
+int kv_dequantize_rows(const void *codes, const void *scale, const void *offset, int bits, int per_token,
+                       int fp32, int64_t block, int64_t dim, int64_t num_rows, const int64_t *rows, int64_t n,
+                       void *out) {
+    if ((bits != 8 && bits != 4) || (bits == 4 && dim % 2))
+        return -1;
+    for (int64_t i = 0; i < n; i++)
+        if (rows[i] < 0 || rows[i] >= num_rows)
+            return -1;
+    kv_layer l = {codes, scale, offset, bits, per_token, fp32, block, dim};
+#if KV_AVX512
+    int fast = dim % (bits == 8 ? 16 : 32) == 0;
+#endif
+    for (int64_t i = 0; i < n; i++) {
+#if KV_AVX512
+        if (fast) {
+            row_avx512(&l, rows[i], out, i * block * dim);
+            continue;
+        }
+#endif
+        row_generic(&l, rows[i], out, i * block * dim);
+    }
+    return 0;
+}

@@ -1,0 +1,110 @@
+"""Reading quantised KV rows on the CPU in one pass: the C kernel in `kv_native.c`.
+
+Torch's eager CPU path reads a (block, KV head) row of the quantised store as a gather, a
+conversion of the codes and a broadcast multiply-add, three passes over memory with bf16
+arithmetic in between; the kernel gathers, converts and applies each row's scale and offset
+in one pass, and returns what `kv_quant.read_rows` returns (to within one bf16 rounding).
+
+The kernel is compiled when an engine with a quantised store first needs it, with the machine's
+C compiler (`CC`, else `cc`) for this CPU (`-march=native`), into a temporary folder that is
+removed once the library is loaded: there is no build artefact to go stale when the image
+moves to another CPU. Without a compiler, or if the build fails, `load()` says why and returns
+None; the cache then reads with torch (slower on CPU, identical in result).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kv_native.c")
+FLAGS = ("-O3", "-march=native", "-std=c11", "-shared", "-fPIC")
+DTYPES = (torch.bfloat16, torch.float32)
+
+
+class NativeKernelError(RuntimeError):
+    """The kernel was given tensors it cannot read (a bug in the caller, never bad input)."""
+
+
+@dataclass(frozen=True)
+class NativeKernel:
+    library: ctypes.CDLL
+    isa: str  # "avx512-bf16" or "generic": the instruction set the build reads rows with
+
+    def dequantize(
+        self,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        offset: torch.Tensor,
+        rows: torch.Tensor,
+        bits: int,
+        per_token: bool,
+    ) -> torch.Tensor:
+        """Rows (n,) of a layer's store, dequantised: (n, block, dim) in the scale's dtype.
+
+        codes (R, block, width): int8 centred 8-bit codes or packed 4-bit ones; scale and offset
+        (R, dim) per channel, or (R, block) per token; value = centred code * scale + offset."""
+        if codes.dtype != (torch.int8 if bits == 8 else torch.uint8):
+            raise NativeKernelError(f"{bits}-bit codes stored as {codes.dtype}")
+        num_rows, block, width = codes.shape
+        dim = width * (8 // bits)
+        expected = (num_rows, block if per_token else dim)
+        parts = (codes, scale, offset, rows)
+        if any(t.device.type != "cpu" or not t.is_contiguous() for t in parts):
+            raise NativeKernelError("the native KV kernel reads contiguous CPU tensors only")
+        if scale.shape != expected or offset.shape != expected or rows.dim() != 1:
+            raise NativeKernelError(f"scale/offset {tuple(scale.shape)} for codes {tuple(codes.shape)}")
+        if scale.dtype not in DTYPES or offset.dtype != scale.dtype or rows.dtype != torch.long:
+            raise NativeKernelError(f"unsupported dtypes: {scale.dtype}, {offset.dtype}, {rows.dtype}")
+        out = torch.empty(rows.shape[0], block, dim, dtype=scale.dtype)
+        status = self.library.kv_dequantize_rows(
+            codes.data_ptr(), scale.data_ptr(), offset.data_ptr(), bits, int(per_token),
+            int(scale.dtype == torch.float32), block, dim, num_rows, rows.data_ptr(), rows.shape[0],
+            out.data_ptr(),
+        )  # fmt: skip
+        if status:
+            raise NativeKernelError(f"rows out of range (of {num_rows}) or an unknown {bits}-bit format")
+        return out
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
+@functools.cache  # one build per process: the library is read-only once loaded
+def load() -> NativeKernel | None:
+    """The kernel built for this machine, or None (logged once) where it cannot be built."""
+    compiler = _compiler()
+    if compiler is None:
+        log.warning("no C compiler (CC, cc or gcc) found: quantised KV blocks are read with torch")
+        return None
+    with tempfile.TemporaryDirectory(prefix="deepanalyze-kv-") as folder:
+        target = Path(folder) / "kv_native.so"
+        try:
+            subprocess.run(  # noqa: S603 - our own source, a compiler found on PATH
+                [compiler, *FLAGS, str(SOURCE), "-o", str(target)],
+                check=True, capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
+            library = ctypes.CDLL(str(target))  # mapped now; the file may go with the folder
+        except (OSError, subprocess.SubprocessError) as exc:
+            detail = getattr(exc, "stderr", "") or exc
+            log.warning("building the native KV kernel failed (%s): reading with torch", detail)
+            return None
+    library.kv_native_isa.restype = ctypes.c_char_p
+    library.kv_dequantize_rows.restype = ctypes.c_int
+    pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    library.kv_dequantize_rows.argtypes = [
+        pointer, pointer, pointer, i32, i32, i32, i64, i64, i64, pointer, i64, pointer,
+    ]  # fmt: skip
+    return NativeKernel(library, library.kv_native_isa().decode())
