@@ -127,9 +127,9 @@ class Engine:
         self._num_finished = 0
         self._num_tokens = 0
         log.info(
-            "KV pool: %d full-precision + %d int%d blocks x %d tokens, %.1f MiB (%d bytes/token full)",
+            "KV pool: %d full-precision + %d int%d blocks x %d tokens, %.1f MiB (%d bytes/token full)%s",
             num_blocks, num_cold, config.kv_quant_bits, config.block_size, self.cache.total_bytes / 2**20,
-            shape.bytes_per_token,
+            shape.bytes_per_token, f", read by {self.cache.cold.reader}" if self.cache.cold else "",
         )  # fmt: skip
         if config.quantising and not num_cold:
             log.warning("KV_COMPRESSION=true but the KV budget leaves no room for quantised blocks")

@@ -2,7 +2,8 @@
 
 Keys are stored after RoPE (the attention function receives rotated keys), so a cached token
 keeps its position. Sized from a byte budget with exact accounting. With KV compression, a
-`ColdStore` of quantised blocks sits beside the full-precision slots (see `kv_quant`).
+`ColdStore` of quantised blocks sits beside the full-precision slots (see `kv_quant`), read by the
+native kernel on CPU (`kv_native`) and by torch elsewhere.
 """
 
 from __future__ import annotations

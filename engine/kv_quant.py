@@ -3,8 +3,9 @@
 Keys are quantised per channel over the tokens of one block (key outliers live in channels);
 values per token over their channels. 8-bit codes take a byte each; 4-bit codes are packed two to
 a byte (the low nibble holds the first half of the channels, the high nibble the second half).
-Scales and minimums are kept in the cache's dtype. Everything here is plain torch on whatever
-device the cache lives on; no host round-trip.
+Scales and minimums are kept in the cache's dtype (a store keeps min + zero * scale, the offset of
+centred codes). Everything here is plain torch on whatever device the cache lives on; no host
+round-trip. On CPU the store is read by `kv_native` instead, and `read_rows` is its reference.
 """
 
 from __future__ import annotations

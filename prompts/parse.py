@@ -42,6 +42,13 @@ def _normalise(value: Any) -> Any:
         triage = value.get("triage")
         if isinstance(triage, dict) and isinstance(triage.get("urgency"), str):
             triage["urgency"] = triage["urgency"].strip().lower()
+        # The grammar's minLength counts a lone space as a character, the schema (which strips
+        # whitespace) does not: a blank list item says nothing and is dropped, not refused.
+        layers = value.get("key_information")
+        if isinstance(layers, dict):
+            for name, items in layers.items():
+                if isinstance(items, list):
+                    layers[name] = [i for i in items if not (isinstance(i, str) and not i.strip())]
     return value
 
 

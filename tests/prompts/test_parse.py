@@ -31,6 +31,17 @@ def test_triage_is_dropped_for_non_complaints() -> None:
     assert parse_analysis(json.dumps(VALID), DocumentKind.FILING).triage is None
 
 
+def test_blank_items_are_dropped_and_a_blank_viewpoint_is_refused() -> None:
+    """The constrained grammar lets a lone space through as a non-empty string (seen in the KV
+    harness: a conclusion of " "); such an item carries nothing and must not cost the analysis."""
+    value = json.loads(json.dumps(VALID))
+    value["key_information"]["conclusions"] = ["refund", " ", "\n"]
+    analysis = parse_analysis(json.dumps(value), DocumentKind.COMPLAINT)
+    assert analysis.key_information.conclusions == ["refund"]
+    with pytest.raises(AnalysisParseError, match="core_viewpoint"):
+        parse_analysis(json.dumps(VALID | {"core_viewpoint": " "}), DocumentKind.COMPLAINT)
+
+
 def test_complaint_without_triage_is_rejected() -> None:
     value = {k: v for k, v in VALID.items() if k != "triage"}
     with pytest.raises(AnalysisParseError, match="triage"):
