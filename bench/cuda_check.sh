@@ -28,7 +28,8 @@ if [ "${SMOKE:-0}" = 1 ]; then
     name=engine-smoke
 fi
 [ -f .cuda/tokenizer/tokenizer.json ] || { echo "no .cuda/tokenizer: run bench/cuda_prepare.sh first" >&2; exit 2; }
-if compgen -G ".cuda/whl/*.whl" > /dev/null; then
+# The wheels are the GPU host's (Python 3.12); a smoke run uses the local environment as it is.
+if [ "${SMOKE:-0}" != 1 ] && compgen -G ".cuda/whl/*.whl" > /dev/null; then
     $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .cuda/whl/*.whl || exit 2
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
