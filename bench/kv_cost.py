@@ -93,7 +93,7 @@ def main() -> None:
             console.print(
                 f"round {round_} {name}: {runs[-1]['tok_s']:.1f} tok/s, p95 {runs[-1]['p95_s']:.1f} s"
             )
-            write(args, runs)
+            write(args, names, runs)
 
     table = Table("profile", "reader", "tok/s (median)", "tok/s range", "cost vs off (median round)",
                   "cost per round", "p95 s", "mean batch", "preemptions",
@@ -114,17 +114,13 @@ def main() -> None:
     console.print(f"wrote {args.out}")
 
 
-def write(args: Any, runs: list[dict[str, Any]]) -> None:
-    names = [n for n in args.profiles.split(",") if n]
-    summary = {
-        name: {
-            "tok_s_median": statistics.median(r["tok_s"] for r in runs if r["profile"] == name),
-            "cost_per_round": costs(runs, name),
-            "cost_median": statistics.median(costs(runs, name)) if costs(runs, name) else None,
-        }
-        for name in names
-        if name != "off" and any(r["profile"] == name for r in runs)
-    }
+def write(args: Any, names: list[str], runs: list[dict[str, Any]]) -> None:
+    summary = {}
+    for name in (n for n in names if n != "off"):
+        rates, cost = [r["tok_s"] for r in runs if r["profile"] == name], costs(runs, name)
+        if rates:
+            summary[name] = {"tok_s_median": statistics.median(rates), "cost_per_round": cost,
+                             "cost_median": statistics.median(cost) if cost else None}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "machine": {"threads": torch.get_num_threads(), "platform": platform.platform(), "torch": torch.__version__},

@@ -68,8 +68,8 @@ def unpack(packed: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
 
 def centred(packed: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     """The codes minus `fmt.zero`, as int8: x = code * s + m = (code - zero) * s + (m + zero * s).
-    A weighted sum of centred codes does not cancel against a large minimum afterwards, so it
-    can run in bf16 without losing the small differences between values."""
+    Centred, 8-bit codes are stored as int8 and every element reads with one multiply-add against
+    a stored offset; the offset also stays near the values, not at their far end, in bf16."""
     if fmt.bits == 8:
         return torch.bitwise_xor(packed, 0x80).view(torch.int8)  # code - 128, bit for bit
     return unpack(packed, fmt).view(torch.int8) - fmt.zero

@@ -180,13 +180,16 @@ def test_the_native_kernel_refuses_what_it_cannot_read() -> None:
         kernel.dequantize(codes, scale.t().contiguous().t(), offset, torch.tensor([0]), 8, per_token=False)
 
 
+@pytest.mark.parametrize("reader", ["torch", "native"])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_bf16_decode_attention_over_long_quantised_histories_matches_fp32(bits: int) -> None:
-    """bf16 cache, two sequences of 12 cold blocks: against fp32 attention over the same
-    dequantised keys and values. Long histories average values towards zero, where a weighted
-    sum of raw codes would cancel against the minimums and lose the result to bf16 rounding."""
+def test_bf16_decode_attention_over_long_quantised_histories_matches_fp32(bits: int, reader: str) -> None:
+    """bf16 cache, two sequences of 12 cold blocks, read by torch or the C kernel: against fp32
+    attention over the same dequantised keys and values. Long histories average values towards
+    zero, where bf16 rounding of the quantised parts would show."""
+    kernel = native_kernel() if reader == "native" else None
     shape, size, fmt = KVShape(1, 2, 32, torch.bfloat16), 16, QuantFormat(bits)
-    cache = KVCache(shape, 4, size, torch.device("cpu"), ColdStore(shape, fmt, 24, size, torch.device("cpu")))
+    store = ColdStore(shape, fmt, 24, size, torch.device("cpu"), kernel)
+    cache = KVCache(shape, 4, size, torch.device("cpu"), store)
     gen = torch.Generator().manual_seed(5)
     blocks = torch.randn(2, 1, 24, size, 2, 32, generator=gen).to(torch.bfloat16)  # keys, values
     cache.cold.store(blocks[0], blocks[1], torch.arange(24))
