@@ -1,6 +1,10 @@
 # A GPU image (`--target gpu`, the last stage, so the default) and a CPU image (`--target cpu`). The model is mounted, not baked in:
 #   docker run --gpus all -v /models/Qwen2.5-7B-Instruct:/model:ro -e MODEL_PATH=/model \
-#     -e KAFKA_BOOTSTRAP_SERVERS=kafka:9092 -e DYNAMIC_BATCHING=true deepanalyze
+#     -e KAFKA_BOOTSTRAP_SERVERS=kafka:9092 -e DYNAMIC_BATCHING=true \
+#     -e HTTP_TOKEN="$(openssl rand -hex 32)" -p 127.0.0.1:3000:3000 deepanalyze
+# The image listens on 0.0.0.0 (STATUS_HOST), as a published port needs, so HTTP_TOKEN is required:
+# without it the worker refuses to start. Every route but /healthz (the HEALTHCHECK below) then asks
+# for `Authorization: Bearer <token>`, or a login in the browser.
 FROM scratch AS source
 COPY pyproject.toml README.md /app/
 COPY schemas /app/schemas

@@ -5,7 +5,7 @@ what became of every document sent.
   document drawn from the corpus. Open loop: a document is sent at its time whether or not earlier
   ones were answered, so the machine, not the generator, sets the pace.
 - `Sender`: publishes a document at its scheduled time without waiting for earlier acks and records
-  the coordinates the broker acknowledged (which name the answer: `event_id_for`) and its CreateTime.
+  the coordinates the broker acknowledged (with its bytes and timestamp, they name the answer: `answer_id`) and its CreateTime.
 - `Collector`: reads the analysis and dead-letter topics from their beginning and keeps, per event
   id, the first answer and its CreateTime. Latency = answer CreateTime - document CreateTime (both
   producer clocks on this machine); a document with no answer within the deadline has timed out.
@@ -24,11 +24,11 @@ from pathlib import Path
 
 from aiokafka import AIOKafkaProducer
 
-from pipeline.client import assign_answer_topics, parse_answer
+from pipeline.client import answer_id, assign_answer_topics, parse_answer
 from pipeline.codec import encode_document
 from pipeline.kafka import make_consumer
 from pipeline.settings import Settings
-from schemas import AnalysisEvent, DocumentEvent, DocumentKind, Language, event_id_for
+from schemas import AnalysisEvent, DocumentEvent, DocumentKind, Language
 
 DEPARTMENTS = ("marketing", "product", "customer_service", "strategy", "legal")
 DATA = Path(__file__).resolve().parent / "data"
@@ -153,7 +153,7 @@ class Sender:
         async def acknowledged() -> Sent:
             meta = await ack
             return Sent(
-                event_id_for(meta.topic, meta.partition, meta.offset), document_id, self.config, level,
+                answer_id(meta, value, now_ms), document_id, self.config, level,
                 department, doc.kind.value, doc.language.value, len(doc.text), now_ms,
             )  # fmt: skip
 

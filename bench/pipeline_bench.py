@@ -35,9 +35,9 @@ from rich.table import Table
 
 from bench.common import worker_env
 from pipeline.broker import embedded_broker
+from pipeline.client import answer_id
 from pipeline.kafka import client_options, ensure_topics
 from pipeline.settings import Settings, load_settings
-from schemas import event_id_for
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXTS = ["快递晚到了五天，还多收了安装费，客服一直不回复。", "Revenue grew 9% to $2.8 billion; margin guidance unchanged.",
@@ -80,16 +80,24 @@ async def publish(
     producer: AIOKafkaProducer, settings: Settings, n: int, rate: float | None
 ) -> dict[str, int]:
     """Publishes n documents (at `rate` per second, or at once); event id -> CreateTime (ms)."""
-    rng, topics, futures = random.Random(n), list(settings.input_topics), []
+    rng, topics, futures, sent = random.Random(n), list(settings.input_topics), [], []
     start = time.perf_counter()
     for i in range(n):
         if rate is not None and i % 20 == 0:  # pace in small groups
             await asyncio.sleep(max(0.0, start + i / rate - time.perf_counter()))
         value = json.dumps({"document_id": f"d{i}", "text": f"{rng.choice(TEXTS)} #{i}"}).encode()
+        now_ms = int(time.time() * 1000)
+        sent.append((value, now_ms))
         futures.append(
-            await producer.send(rng.choice(topics), value, headers=[("content-type", b"application/json")])
+            await producer.send(
+                rng.choice(topics),
+                value,
+                headers=[("content-type", b"application/json")],
+                timestamp_ms=now_ms,
+            )
         )
-    return {event_id_for(m.topic, m.partition, m.offset): m.timestamp for m in await asyncio.gather(*futures)}
+    acks = await asyncio.gather(*futures)
+    return {answer_id(m, value, now_ms): now_ms for m, (value, now_ms) in zip(acks, sent, strict=True)}
 
 
 async def collect(

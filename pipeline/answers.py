@@ -6,7 +6,9 @@ produced them) from the beginning of the last hour where the broker can seek by 
 the beginning. Each answer gets a sequence number, the server-sent event id, so a reconnecting
 client asks for what it missed (`Last-Event-ID`). It starts reading when a page first needs it.
 The most recent answers stay in memory (bounded) for replay and for a waiter that asks after its
-answer already arrived.
+answer already arrived. A waiter names its document as well as its event id, and gets only an
+answer to that document: an id seen before under another document (forged, or from before a
+topic was re-created) is never handed to it.
 """
 
 from __future__ import annotations
@@ -29,11 +31,14 @@ from schemas import DeadLetter
 
 log = logging.getLogger(__name__)
 
+MAX_PER_ID = 4
+
 
 @dataclass(frozen=True)
 class Delivered:
     seq: int  # the server-sent event id: rising, per process
     event_id: str
+    document_id: str | None
     kind: str  # "analysis" | "dead_letter"
     json: str  # the record's value as published
 
@@ -42,7 +47,8 @@ class AnswerHub:
     def __init__(self, settings: Settings, keep: int = 2_000, history_s: float = 3_600.0) -> None:
         self.settings = settings
         self.history_s = history_s
-        self._by_event: OrderedDict[str, Delivered] = OrderedDict()  # oldest first, at most `keep`
+        # Oldest first, at most `keep`; a few answers per id, each for another document.
+        self._by_event: OrderedDict[str, list[Delivered]] = OrderedDict()
         self._keep = keep
         self._seq = 0
         self._changed = asyncio.Condition()
@@ -60,15 +66,22 @@ class AnswerHub:
         if self._task is not None:
             await self._task
 
-    def find(self, event_id: str) -> Delivered | None:
-        return self._by_event.get(event_id)
+    def find(self, event_id: str, document_id: str | None = None) -> Delivered | None:
+        """The first answer under `event_id` (to `document_id`, when given)."""
+        for item in self._by_event.get(event_id, ()):
+            if document_id is None or item.document_id == document_id:
+                return item
+        return None
 
-    async def wait_for(self, event_id: str, timeout_s: float) -> Delivered | None:
-        """The answer to `event_id` once it lands (None after `timeout_s`)."""
+    async def wait_for(
+        self, event_id: str, timeout_s: float, document_id: str | None = None
+    ) -> Delivered | None:
+        """The answer to `event_id` (and `document_id`, when given) once it lands (None after
+        `timeout_s`)."""
         self.ensure_running()
         deadline = time.monotonic() + timeout_s
         async with self._changed:
-            while (found := self.find(event_id)) is None:
+            while (found := self.find(event_id, document_id)) is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
@@ -87,7 +100,9 @@ class AnswerHub:
         elif after > self._seq:  # a client of an earlier process: its ids mean nothing here
             after = 0
         while True:
-            pending = [d for d in self._by_event.values() if d.seq > after]
+            pending = sorted(
+                (d for items in self._by_event.values() for d in items if d.seq > after), key=lambda d: d.seq
+            )
             for item in pending:
                 yield item
                 after = item.seq
@@ -101,13 +116,14 @@ class AnswerHub:
                 yield None
 
     async def _add(self, answer: Answer, value: bytes) -> None:
-        if answer.event_id in self._by_event:  # a redelivery answers again under the same id
-            return
+        known = self._by_event.get(answer.event_id, [])
+        if any(item.document_id == answer.document_id for item in known) or len(known) >= MAX_PER_ID:
+            return  # a redelivery answers again under the same id (or someone floods one id)
         kind = "dead_letter" if isinstance(answer, DeadLetter) else "analysis"
         async with self._changed:
             self._seq += 1
-            item = Delivered(self._seq, answer.event_id, kind, value.decode("utf-8"))
-            self._by_event[answer.event_id] = item
+            item = Delivered(self._seq, answer.event_id, answer.document_id, kind, value.decode("utf-8"))
+            self._by_event.setdefault(answer.event_id, []).append(item)
             while len(self._by_event) > self._keep:
                 self._by_event.popitem(last=False)
             self._changed.notify_all()

@@ -19,6 +19,7 @@ from engine.selftest import self_test
 from engine.weights import default_model_folder, is_prepared, prepare_default_model
 from pipeline.answers import AnswerHub
 from pipeline.http import serve_status
+from pipeline.http_guard import HttpGuard
 from pipeline.service import Service
 from pipeline.settings import Settings
 from pipeline.telemetry import Telemetry, setup_telemetry
@@ -89,7 +90,12 @@ async def serve(
         hub = AnswerHub(settings)
         front = Front(settings, hub)
         status = serve_status(
-            service.status, settings.status_host, settings.status_port, service.metrics.render, router(front)
+            service.status,
+            settings.status_host,
+            settings.status_port,
+            service.metrics.render,
+            router(front),
+            guard=HttpGuard.from_settings(settings),
         )
         async with status as port:
             log.info("pages and status on http://%s:%d/", settings.status_host, port)

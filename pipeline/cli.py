@@ -13,6 +13,7 @@ from aiokafka.errors import KafkaError
 from rich.console import Console
 
 from engine import EngineError, ModelLoadError
+from pipeline.logs import setup_logging
 from pipeline.settings import Settings, SettingsError, load_settings
 from schemas import AnalysisEvent, DocumentKind
 
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as exc:
         console.print(f"[red]{exc}[/red]")
         return 2
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(settings.log_level)
     try:
         if args.command == "run" and args.workers > 1:
             from pipeline.workers import supervise

@@ -1,7 +1,8 @@
 """The user's side of the bus: publish documents, collect their answers by event id.
 
 Used by `deepanalyze publish` / `tail`, the demo and the tests. Answers are matched to what was
-sent through the event id, which is derived from the coordinates the broker acknowledged.
+sent through the event id, derived from the coordinates and timestamp the broker acknowledged and
+the bytes sent (`event_id_for`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
-from aiokafka.structs import TopicPartition
+from aiokafka.structs import RecordMetadata, TopicPartition
 from pydantic import ValidationError
 
 from pipeline.codec import encode_document
@@ -22,6 +23,7 @@ from pipeline.settings import Settings
 from schemas import AnalysisEvent, DeadLetter, DocumentEvent, DocumentKind, event_id_for
 
 Answer = AnalysisEvent | DeadLetter
+LOG_APPEND_TIME = 1  # a record's timestamp type: the broker's time, not the producer's
 
 
 @dataclass(frozen=True)
@@ -30,10 +32,23 @@ class Sent:
     topic: str
     partition: int
     offset: int
+    event_id: str  # the id its answer will carry
 
-    @property
-    def event_id(self) -> str:
-        return event_id_for(self.topic, self.partition, self.offset)
+    @classmethod
+    def of(cls, document_id: str, meta: RecordMetadata, value: bytes | None, timestamp_ms: int) -> Sent:
+        """From the broker's acknowledgement of `value`, sent with `timestamp_ms`."""
+        return cls(document_id, meta.topic, meta.partition, meta.offset, answer_id(meta, value, timestamp_ms))
+
+
+def answer_id(meta: RecordMetadata, value: bytes | None, timestamp_ms: int) -> str:
+    """The event id of the answer to a record sent with `timestamp_ms` and acknowledged with `meta`.
+
+    The record's timestamp is the one the producer set, unless the topic stamps records with the
+    broker's time (LogAppendTime, returned in the acknowledgement). The acknowledgement's timestamp
+    is not used otherwise: for a batch of records aiokafka reports the first record's time for
+    all of them on some brokers."""
+    timestamp = meta.timestamp if meta.timestamp_type == LOG_APPEND_TIME else timestamp_ms
+    return event_id_for(meta.topic, meta.partition, meta.offset, timestamp, value)
 
 
 def load_documents(paths: Iterable[Path], kind: DocumentKind | None = None) -> list[DocumentEvent]:
@@ -60,10 +75,9 @@ async def send_document(producer: AIOKafkaProducer, settings: Settings, document
     topic = settings.topic_for(document.kind or DocumentKind.COMPLAINT)
     value, headers = encode_document(document)
     key = (document.document_id or "").encode("utf-8") or None
-    meta = await producer.send_and_wait(topic, value, key=key, headers=headers)
-    return Sent(
-        document.document_id or f"{topic}/{meta.partition}/{meta.offset}", topic, meta.partition, meta.offset
-    )
+    now_ms = int(time.time() * 1000)
+    meta = await producer.send_and_wait(topic, value, key=key, headers=headers, timestamp_ms=now_ms)
+    return Sent.of(document.document_id or f"{topic}/{meta.partition}/{meta.offset}", meta, value, now_ms)
 
 
 async def publish_documents(settings: Settings, documents: Iterable[DocumentEvent]) -> list[Sent]:
@@ -85,8 +99,9 @@ async def publish_raw(
     producer = make_producer(settings)
     await producer.start()
     try:
-        meta = await producer.send_and_wait(topic, value, key=key, headers=headers or [])
-        return Sent(key.decode(errors="replace") if key else "", topic, meta.partition, meta.offset)
+        now_ms = int(time.time() * 1000)
+        meta = await producer.send_and_wait(topic, value, key=key, headers=headers or [], timestamp_ms=now_ms)
+        return Sent.of(key.decode(errors="replace") if key else "", meta, value, now_ms)
     finally:
         await producer.stop()
 

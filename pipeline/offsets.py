@@ -4,6 +4,11 @@ Per partition, records are registered in fetch order and marked done when their 
 letter is acknowledged. The committable offset is the first offset not yet done (Kafka commits
 "the next record to read"), so a crash re-delivers everything unanswered and nothing answered is
 skipped. Pure bookkeeping: no Kafka client, no I/O.
+
+Offsets normally arrive rising. One that does not is either a record still in flight, fetched
+again (skipped: its answer is on the way), or the partition's position moved back (an offset
+reset, a seek, a re-created topic): then what was pending there is dropped, as on a revocation,
+and counting starts again from the new offset.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ class _PartitionState:
     pending: deque[int] = field(default_factory=deque)  # registered, in fetch order
     done: set[int] = field(default_factory=set)
     next_offset: int | None = None  # one past the last contiguously answered offset; None until then
+    last: int | None = None  # the last offset registered
 
 
 class OffsetTracker:
@@ -26,11 +32,23 @@ class OffsetTracker:
         self._partitions: dict[TopicPartition, _PartitionState] = {}
         self._committed: dict[TopicPartition, int] = {}
 
-    def register(self, tp: TopicPartition, offset: int) -> None:
+    def register(self, tp: TopicPartition, offset: int) -> bool:
+        """Records a fetched offset; False when it is already pending (a second fetch of a record
+        in flight: don't process it twice)."""
         state = self._partitions.setdefault(tp, _PartitionState())
-        if state.pending and offset <= state.pending[-1]:
-            raise ValueError(f"{tp}: offset {offset} registered after {state.pending[-1]}")
+        if state.last is not None and offset <= state.last:
+            if offset in state.pending and offset not in state.done:
+                return False
+            # The position moved back: start over from here (late answers publish, never commit).
+            state = self._partitions[tp] = _PartitionState()
         state.pending.append(offset)
+        state.last = offset
+        return True
+
+    def next_to_read(self, tp: TopicPartition) -> int | None:
+        """One past the last offset registered for the partition (None: nothing registered)."""
+        state = self._partitions.get(tp)
+        return None if state is None or state.last is None else state.last + 1
 
     def mark_done(self, tp: TopicPartition, offset: int) -> None:
         state = self._partitions.get(tp)

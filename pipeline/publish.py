@@ -8,18 +8,44 @@ headers) hangs under it.
 from __future__ import annotations
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaError
+from aiokafka.errors import (
+    CorruptRecordException,
+    InvalidTimestampError,
+    KafkaError,
+    MessageSizeTooLargeError,
+    RecordListTooLargeError,
+    RecordTooLargeError,
+)
 from opentelemetry import trace
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception_type,
+    retry_if_not_exception_type,
+    stop_after_attempt,
+    wait_exponential,
+)
 
 from pipeline.settings import Settings
 from schemas import AnalysisEvent, DeadLetter
 
 JSON_HEADERS = [("content-type", b"application/json")]
+# Errors about the record itself: sending it again cannot help, and they say nothing of the broker.
+RECORD_ERRORS = (
+    MessageSizeTooLargeError,
+    RecordListTooLargeError,
+    RecordTooLargeError,
+    CorruptRecordException,
+    InvalidTimestampError,
+)
 
 
 class PublishError(RuntimeError):
     """An answer could not be delivered after retries; the service stops without committing it."""
+
+
+class AnswerRejected(ValueError):
+    """The broker (or the client, before sending) refused this answer record for what it is, e.g.
+    its size: the record it answers gets a small dead letter instead, and the loop goes on."""
 
 
 class Publisher:
@@ -34,6 +60,11 @@ class Publisher:
         else:
             topic, key = self.settings.topic_dead_letters, answer.document_id or answer.event_id
         value = answer.model_dump_json().encode("utf-8")
+        if len(value) + len(key.encode("utf-8")) > self.settings.max_message_bytes:
+            raise AnswerRejected(
+                f"the answer to {answer.event_id} has {len(value)} bytes; "
+                f"MAX_MESSAGE_BYTES is {self.settings.max_message_bytes}"
+            )
         attributes: dict[str, str | int] = {
             "messaging.system": "kafka",
             "messaging.operation.type": "send",
@@ -47,7 +78,7 @@ class Publisher:
         ) as span:
             try:
                 async for attempt in AsyncRetrying(
-                    retry=retry_if_exception_type(KafkaError),
+                    retry=retry_if_exception_type(KafkaError) & retry_if_not_exception_type(RECORD_ERRORS),
                     wait=wait_exponential(multiplier=0.2, max=5),
                     stop=stop_after_attempt(5),
                     reraise=True,
@@ -56,6 +87,11 @@ class Publisher:
                         sent = await self.producer.send_and_wait(
                             topic, value, key=key.encode("utf-8"), headers=list(JSON_HEADERS)
                         )
+            except RECORD_ERRORS as exc:
+                span.set_status(trace.StatusCode.ERROR, type(exc).__name__)
+                raise AnswerRejected(
+                    f"{topic} refused the answer to {answer.event_id}: {type(exc).__name__}"
+                ) from exc
             except KafkaError as exc:
                 raise PublishError(f"could not publish {answer.event_id} to {topic}: {exc}") from exc
             span.set_attribute("messaging.destination.partition.id", str(sent.partition))

@@ -2,13 +2,18 @@
 
 Each consumed record ends as exactly one analysis event or one dead letter, published with
 acks=all; only then is it marked done in the `OffsetTracker`, and only contiguous done offsets
-are committed. Bad input never stops the loop; a publish that keeps failing does (the record
-stays uncommitted and is re-delivered after restart).
+are committed. Whatever a record holds, nothing about it stops the loop: any failure decoding,
+analysing or rendering it becomes its dead letter (`internal_error` when no other reason fits), a
+record the Kafka client cannot parse becomes an `unreadable_record` dead letter (`Fetcher`), and
+an answer the broker refuses (too large) is replaced by a small dead letter. Only a broker that
+keeps failing stops the service (the record stays uncommitted and is re-delivered after restart).
 
 Backpressure: at most `MAX_INFLIGHT` documents are between consume and answer; while that many
 are, fetching from every assigned partition is paused (nothing piles up in the client either).
 Shutdown: stop fetching, give in-flight documents `SHUTDOWN_GRACE_S` to finish, abandon the rest
-(uncommitted, so re-delivered to whoever owns the partition next), commit, return.
+(uncommitted, so re-delivered to whoever owns the partition next), commit, return; committing
+and closing get `SHUTDOWN_CLOSE_S`, so a broker that is down cannot hold the process. A stop
+during start-up (waiting for the broker) returns at once.
 """
 
 from __future__ import annotations
@@ -28,14 +33,16 @@ from aiokafka.structs import ConsumerRecord, TopicPartition
 from opentelemetry import trace
 
 from pipeline.analyzer import AnalysisEngine, AnalysisFailed, Analyzer
-from pipeline.codec import Document, RecordError, dead_letter, decode_document
+from pipeline.codec import Document, RawRecord, RecordError, dead_letter, decode_document
+from pipeline.fetch import Fetcher, Unreadable
 from pipeline.kafka import ensure_topics, make_consumer, make_producer, wait_for_broker
 from pipeline.metrics import Metrics, Snapshot
 from pipeline.offsets import OffsetTracker
-from pipeline.publish import Publisher, PublishError
+from pipeline.publish import AnswerRejected, Publisher, PublishError
 from pipeline.settings import Settings
 from pipeline.status import status_report
 from pipeline.telemetry import Telemetry, current_trace_id, extract_context
+from pipeline.watch import ClusterWatch
 from schemas import AnalysisEvent, DeadLetter, DeadLetterReason, EngineSettings, Timings
 
 log = logging.getLogger(__name__)
@@ -91,6 +98,7 @@ class Service:
         self._fatal: BaseException | None = None
         self._paused = False
         self._committing: asyncio.Task[None] | None = None
+        self._watch: ClusterWatch | None = None
 
     @property
     def consumer(self) -> AIOKafkaConsumer:
@@ -98,11 +106,17 @@ class Service:
             raise RuntimeError("the service is not running")
         return self._consumer
 
+    @property
+    def watch(self) -> ClusterWatch | None:
+        return self._watch
+
     def lag(self) -> dict[TopicPartition, int]:
-        """Per assigned partition: the last fetched highwater minus the committed offset."""
+        """Per input partition: how many records the group has yet to answer. Assigned partitions
+        from this worker's own fetches and commits; the others as the cluster watch last saw them
+        (end offset minus the group's commit)."""
         if self._consumer is None:
             return {}
-        lags = {}
+        lags = dict(self._watch.view.lag) if self._watch is not None else {}
         for tp in self._consumer.assignment():
             highwater = self._consumer.highwater(tp)
             committed = self.tracker.committed_offset(tp)
@@ -152,8 +166,9 @@ class Service:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Consumes until `stop` is set, then drains in-flight work, commits and closes."""
-        await wait_for_broker(self.settings)
-        await ensure_topics(self.settings)
+        if not await _unless_stopped(stop, self._meet_broker()):
+            log.info("stopped while waiting for Kafka")
+            return
         # Everything allocated so far (imports, model, engine) lives as long as the process: out of
         # the collector's sight, a full collection stops rescanning it (90 ms each in a worker with
         # torch loaded, ~200k objects; such pauses were the pipeline's latency tail).
@@ -162,30 +177,52 @@ class Service:
         preparing = self._preparing = asyncio.create_task(self.analyzer.prepare(), name="prepare-grammars")
         preparing.add_done_callback(_report_preparation)
         producer = make_producer(self.settings)
-        self._consumer = make_consumer(self.settings)
-        await producer.start()
-        self._publisher = Publisher(producer, self.settings, self.tracer)
+        consumer = self._consumer = make_consumer(self.settings)
+        watching: asyncio.Task[None] | None = None
         try:
-            self._consumer.subscribe(list(self.settings.input_topics), listener=_Rebalance(self))
-            await self._consumer.start()
+            if not await _unless_stopped(stop, producer.start()):
+                return
+            self._publisher = Publisher(producer, self.settings, self.tracer)
+            consumer.subscribe(list(self.settings.input_topics), listener=_Rebalance(self))
+            if not await _unless_stopped(stop, consumer.start()):
+                return
+            self._watch = ClusterWatch(self.settings, consumer)
+            watching = asyncio.create_task(self._watch.run(stop), name="cluster-watch")
             try:
                 self.is_ready = True
-                await self._consume(stop)
+                await self._consume(stop, Fetcher(consumer, self.tracker.next_to_read))
             finally:
                 self.is_ready = False
                 await self._drain()
-                await self.commit()
-                await self._consumer.stop()
+                await self._close(consumer, watching)
         finally:
             preparing.cancel()
             await asyncio.gather(preparing, return_exceptions=True)
-            await producer.stop()
+            await self._bounded("closing the producer", producer.stop())
         if self._fatal is not None:
             raise self._fatal
 
-    async def _consume(self, stop: asyncio.Event) -> None:
-        if self._consumer is None:
-            raise RuntimeError("consume before start")
+    async def _meet_broker(self) -> None:
+        await wait_for_broker(self.settings, self.settings.broker_wait_s)
+        await ensure_topics(self.settings)
+
+    async def _close(self, consumer: AIOKafkaConsumer, watching: asyncio.Task[None] | None) -> None:
+        if watching is not None:
+            watching.cancel()
+            await asyncio.gather(watching, return_exceptions=True)
+        await self._bounded("committing", self.commit())
+        await self._bounded("leaving the group", consumer.stop())
+
+    async def _bounded(self, what: str, step: Any) -> None:
+        """One shutdown step within SHUTDOWN_CLOSE_S: a broker that is down must not hold the exit."""
+        try:
+            await asyncio.wait_for(step, self.settings.shutdown_close_s)
+        except TimeoutError:
+            log.warning("%s took longer than %.0f s; gave up", what, self.settings.shutdown_close_s)
+        except KafkaError as exc:
+            log.warning("%s failed: %s", what, exc)
+
+    async def _consume(self, stop: asyncio.Event, fetcher: Fetcher) -> None:
         last_commit = time.monotonic()
         while not stop.is_set() and self._fatal is None:
             room = self.settings.max_inflight - len(self._tasks)
@@ -193,18 +230,16 @@ class Service:
             if room <= 0:
                 await asyncio.wait(self._tasks, timeout=0.2, return_when=asyncio.FIRST_COMPLETED)
             else:
-                batch = await self._consumer.getmany(timeout_ms=200, max_records=room)
-                fetched = sum(map(len, batch.values()))
-                for tp, records in batch.items():
-                    for record in records:
-                        self._spawn(tp, record, fetched)
+                fetched = await fetcher.fetch(room)
+                for tp, record in fetched:
+                    self._spawn(tp, record, len(fetched))
             if time.monotonic() - last_commit >= self.settings.commit_interval_ms / 1000:
                 # In the background: a commit's round trip must not hold up fetching.
                 if self._committing is None or self._committing.done():
                     self._committing = asyncio.create_task(self.commit())
                 last_commit = time.monotonic()
         if self._committing is not None:
-            await self._committing
+            await self._bounded("committing", self._committing)
 
     def _pause(self, full: bool) -> None:
         """Pauses fetching from every assigned partition while in-flight work is at its bound."""
@@ -216,9 +251,12 @@ class Service:
             self._consumer.resume(*self._consumer.paused())
         self._paused = full
 
-    def _spawn(self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes], fetched: int) -> None:
+    def _spawn(
+        self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes] | Unreadable, fetched: int
+    ) -> None:
+        if not self.tracker.register(tp, record.offset):
+            return  # fetched again while its first fetch is still in flight: that one answers
         self.counters.consumed += 1
-        self.tracker.register(tp, record.offset)
         task = asyncio.create_task(self._handle(tp, record, time.perf_counter(), fetched))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -243,7 +281,7 @@ class Service:
             return
         try:
             await self._consumer.commit(offsets)
-        except (CommitFailedError, KafkaError) as exc:
+        except (CommitFailedError, KafkaError, ValueError) as exc:
             # A rebalance took the partition away; the new owner re-delivers what we did not commit.
             log.warning("commit of %d partitions failed: %s", len(offsets), exc)
             return
@@ -252,28 +290,43 @@ class Service:
     # -- one record ---------------------------------------------------------------------------
 
     async def _handle(
-        self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes], consumed_at: float, fetched: int
+        self,
+        tp: TopicPartition,
+        record: ConsumerRecord[bytes, bytes] | Unreadable,
+        consumed_at: float,
+        fetched: int,
     ) -> None:
-        attributes = {
+        if isinstance(record, Unreadable):
+            raw = RawRecord(record.topic, record.partition, record.offset, None, None, None)
+        else:
+            raw = RawRecord.of(record)
+        attributes: dict[str, str | int] = {
             "messaging.system": "kafka",
             "messaging.operation.type": "process",
             "messaging.operation.name": "process",
-            "messaging.destination.name": record.topic,
-            "messaging.destination.partition.id": str(record.partition),
+            "messaging.destination.name": raw.topic,
+            "messaging.destination.partition.id": str(raw.partition),
             "messaging.consumer.group.name": self.settings.consumer_group,
-            "messaging.kafka.offset": record.offset,
+            "messaging.kafka.offset": raw.offset,
             "messaging.batch.message_count": fetched,  # records in the poll that brought it
-            "messaging.message.body.size": len(record.value or b""),
+            "messaging.message.body.size": len(raw.value or b""),
         }
         with self.tracer.start_as_current_span(
-            f"process {record.topic}",
-            context=extract_context(record.headers),
+            f"process {raw.topic}",
+            context=extract_context(raw.headers),
             kind=trace.SpanKind.CONSUMER,
             attributes=attributes,
         ) as span:
+            if isinstance(record, Unreadable):
+                answer: AnalysisEvent | DeadLetter = self._dead_letter(
+                    raw,
+                    DeadLetterReason.UNREADABLE_RECORD,
+                    f"the Kafka client cannot parse it: {record.error}",
+                )
+            else:
+                answer = await self._answer(raw, consumed_at)
             try:
-                answer = await self._answer(record, consumed_at)
-                await self._publish(answer)
+                answer = await self._deliver(raw, answer)
             except PublishError as exc:
                 span.record_exception(exc)
                 span.set_status(trace.StatusCode.ERROR, str(exc))
@@ -285,60 +338,87 @@ class Service:
         outcome = "analysis" if isinstance(answer, AnalysisEvent) else "dead_letter"
         self.metrics.documents.add(1, {"outcome": outcome})
         self.metrics.duration.record(time.perf_counter() - consumed_at, {"outcome": outcome})
-        self.tracker.mark_done(tp, record.offset)
+        self.tracker.mark_done(tp, raw.offset)
 
-    async def _answer(
-        self, record: ConsumerRecord[bytes, bytes], consumed_at: float
+    async def _deliver(
+        self, raw: RawRecord, answer: AnalysisEvent | DeadLetter
     ) -> AnalysisEvent | DeadLetter:
-        coords = {
-            "topic": record.topic,
-            "partition": record.partition,
-            "offset": record.offset,
-            "key": record.key,
-            "value": record.value,
-            "headers": record.headers,
-        }
+        """Publishes the answer; if the broker refuses it for what it is (its size), a dead letter
+        without the original bytes instead. Returns what was published; PublishError if nothing."""
+        try:
+            await self._publish(answer)
+        except AnswerRejected as exc:
+            log.warning("answer to %s[%d]@%d refused: %s", raw.topic, raw.partition, raw.offset, exc)
+            if isinstance(answer, AnalysisEvent):
+                self.counters.failed += 1
+            small = self._dead_letter(
+                raw,
+                DeadLetterReason.ANSWER_REJECTED,
+                str(exc),
+                document_id=answer.document_id,
+                keep_value=False,
+            )
+        else:
+            return answer
+        try:
+            await self._publish(small)
+        except AnswerRejected as exc:  # even a small dead letter: the topic itself is misconfigured
+            raise PublishError(
+                f"the dead-letter topic refuses a {len(small.model_dump_json())}-byte record"
+            ) from exc
+        return small
+
+    def _dead_letter(
+        self,
+        raw: RawRecord,
+        reason: DeadLetterReason,
+        message: str,
+        *,
+        keep_value: bool = True,
+        **details: Any,
+    ) -> DeadLetter:
+        return dead_letter(
+            raw,
+            reason=reason,
+            message=message,
+            trace_id=current_trace_id(),
+            max_value_bytes=self.settings.dead_letter_max_value_bytes if keep_value else 0,
+            max_message_bytes=self.settings.max_message_bytes,
+            **details,
+        )
+
+    async def _answer(self, raw: RawRecord, consumed_at: float) -> AnalysisEvent | DeadLetter:
+        """The record's analysis, or its dead letter; never raises (but for cancellation)."""
+        where = f"{raw.topic}[{raw.partition}]@{raw.offset}"
         try:
             document = decode_document(
-                **coords,
-                default_kind=self.settings.input_topics[record.topic],
+                raw,
+                default_kind=self.settings.input_topics[raw.topic],
                 max_chars=self.settings.max_document_chars,
             )
         except RecordError as exc:
-            log.info(
-                "dead letter %s[%d]@%d: %s", record.topic, record.partition, record.offset, exc.reason.value
-            )
-            return dead_letter(
-                **coords,
-                reason=exc.reason,
-                message=str(exc),
-                trace_id=current_trace_id(),
-                max_value_bytes=self.settings.dead_letter_max_value_bytes,
-            )
+            log.info("dead letter %s: %s", where, exc.reason.value)
+            return self._dead_letter(raw, exc.reason, str(exc))
+        except Exception as exc:  # a record that breaks the decoder is still answered
+            log.exception("decoding %s failed unexpectedly", where)
+            return self._dead_letter(raw, DeadLetterReason.INTERNAL_ERROR, f"decoding failed: {_brief(exc)}")
         try:
             return await self._analyze(document, consumed_at)
         except AnalysisFailed as exc:
             self.counters.failed += 1
-            return dead_letter(
-                **coords,
-                reason=exc.reason,
-                message=str(exc),
+            return self._dead_letter(
+                raw,
+                exc.reason,
+                str(exc),
                 attempts=exc.attempts,
                 document_id=document.document_id,
                 raw_model_output=exc.raw_output,
-                trace_id=current_trace_id(),
-                max_value_bytes=self.settings.dead_letter_max_value_bytes,
             )
         except Exception as exc:  # a bug must not stop the loop: the record still gets its answer
-            log.exception("analysis of %s failed unexpectedly", document.document_id)
+            log.exception("analysis of %s failed unexpectedly", where)
             self.counters.failed += 1
-            return dead_letter(
-                **coords,
-                reason=DeadLetterReason.GENERATION_FAILED,
-                message=f"{type(exc).__name__}: {exc}",
-                document_id=document.document_id,
-                trace_id=current_trace_id(),
-                max_value_bytes=self.settings.dead_letter_max_value_bytes,
+            return self._dead_letter(
+                raw, DeadLetterReason.INTERNAL_ERROR, _brief(exc), document_id=document.document_id
             )
 
     async def _analyze(self, document: Document, consumed_at: float) -> AnalysisEvent:
@@ -374,6 +454,24 @@ class Service:
             self.counters.processed += 1
         else:
             self.counters.dead_lettered += 1
+
+
+def _brief(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:500]
+
+
+async def _unless_stopped(stop: asyncio.Event, step: Any) -> bool:
+    """Runs `step` unless `stop` is set first (then cancels it): whether it completed."""
+    work = asyncio.ensure_future(step)
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if work.done():
+        work.result()  # its exception, if any
+        return True
+    work.cancel()
+    await asyncio.gather(work, return_exceptions=True)
+    return False
 
 
 def _report_preparation(task: asyncio.Task[None]) -> None:

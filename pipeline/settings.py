@@ -7,11 +7,12 @@ names the variable.
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from schemas import DocumentKind
 
@@ -53,6 +54,15 @@ class Settings(BaseSettings):
     shutdown_grace_s: float = Field(
         default=30.0, ge=0, le=3_600, description="On SIGTERM: time in-flight documents get to finish."
     )
+    shutdown_close_s: float = Field(
+        default=10.0, gt=0, le=600, description="On SIGTERM, after the grace: time to commit and close."
+    )
+    cluster_check_interval_s: float = Field(
+        default=10.0, gt=0, le=3_600, description="How often topics, partitions and lag are looked at."
+    )
+    broker_wait_s: float = Field(
+        default=60.0, gt=0, le=3_600, description="How long start-up waits for Kafka."
+    )
 
     # Model and engine: the article's three switches, plus where the model lives.
     model_path: Path | None = None  # None: the bundled default model, converted once into the cache
@@ -88,11 +98,39 @@ class Settings(BaseSettings):
         le=64 * 1024 * 1024,
         description="Original bytes a dead letter carries whole.",
     )
+    max_message_bytes: int = Field(
+        default=1_000_000,
+        ge=64 * 1024,
+        le=64 * 1024 * 1024,
+        description="Largest answer record written: below the answer topics' max.message.bytes.",
+    )
     generation_attempts: int = Field(default=2, ge=1, le=5, description="1 + the repair attempt.")
 
-    # Status server
-    status_host: str = "127.0.0.1"
+    # Status server (pages, API, /metrics, /healthz). Beyond loopback it needs HTTP_TOKEN: see
+    # `_token_beyond_loopback`. HTTP_TOKEN comes first so that STATUS_HOST's validator can see it.
+    http_token: SecretStr | None = Field(
+        default=None, description="Bearer token for every route but /healthz; required beyond loopback."
+    )
+    status_host: str = Field(default="127.0.0.1", validate_default=True)
     status_port: int = Field(default=3000, ge=0, le=65535)
+    http_allowed_hosts: Annotated[tuple[str, ...], NoDecode] = Field(
+        default=(),
+        description="Host header names served besides loopback and STATUS_HOST (comma-separated; "
+        "'*.example.com' a domain, '*' any). Others: 400.",
+    )
+    http_max_body_bytes: int | None = Field(
+        default=None,
+        ge=1024,
+        le=64 * 1024 * 1024,
+        description="Largest request body (413); default: 6 bytes a MAX_DOCUMENT_CHARS character + 16 KiB.",
+    )
+    http_header_timeout_s: float = Field(
+        default=10.0, gt=0, le=300, description="A connection's request headers must arrive within this."
+    )
+    http_body_timeout_s: float = Field(
+        default=30.0, gt=0, le=3_600, description="A request's whole body must arrive within this (408)."
+    )
+    http_keep_alive_s: int = Field(default=5, ge=1, le=600, description="An idle connection is closed after.")
 
     # Telemetry (OTEL_EXPORTER_OTLP_ENDPOINT is read by the OpenTelemetry exporter itself)
     otel_service_name: str = "deepanalyze"
@@ -134,6 +172,40 @@ class Settings(BaseSettings):
     @property
     def all_topics(self) -> list[str]:
         return [*self.input_topics, self.topic_analysis, self.topic_dead_letters]
+
+    @field_validator("http_allowed_hosts", mode="before")
+    @classmethod
+    def _split_hosts(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(name.strip().lower() for name in value.split(",") if name.strip())
+        return value
+
+    @field_validator("status_host")
+    @classmethod
+    def _token_beyond_loopback(cls, value: str, info: ValidationInfo) -> str:
+        # Checked on STATUS_HOST rather than on HTTP_TOKEN: load_settings shows the rejected input,
+        # which here is the address, never the secret.
+        if "http_token" not in info.data:  # HTTP_TOKEN itself was invalid; reported on its own
+            return value
+        token: SecretStr | None = info.data["http_token"]
+        if token is not None and len(token.get_secret_value()) < 16:  # guessable
+            raise ValueError("HTTP_TOKEN is shorter than 16 characters (make one: `openssl rand -hex 32`)")
+        if token is None and not cls.is_loopback(value):
+            raise ValueError(
+                f"{value} is beyond loopback: set HTTP_TOKEN (a secret bearer token every route but "
+                "/healthz then requires), or STATUS_HOST=127.0.0.1"
+            )
+        return value
+
+    @staticmethod
+    def is_loopback(host: str) -> bool:
+        """Whether `host` (an address or name, IPv6 with or without brackets) reaches this machine only."""
+        if host.lower().rstrip(".") == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(host.strip("[]")).is_loopback
+        except ValueError:
+            return False
 
 
 def load_settings(**overrides: object) -> Settings:

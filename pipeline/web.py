@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator
 from importlib import resources
@@ -30,6 +31,7 @@ from schemas import AnalysisEvent, DocumentEvent, DocumentKind, Language
 from schemas.events import NonEmptyStr
 
 STATIC = Path(str(resources.files("pipeline") / "web"))
+_EVENT_ID = re.compile(r"[0-9]{1,18}")  # a Last-Event-ID we could have sent
 
 
 class AnalyzeRequest(BaseModel):
@@ -141,7 +143,9 @@ def router(front: Front) -> APIRouter:
             )
         if not request.wait:
             return JSONResponse(accepted.model_dump(), status_code=202)
-        found = await front.hub.wait_for(accepted.event_id, request.timeout_s)
+        # Its own answer: the id and the document this request published (never another's answer
+        # under the same id).
+        found = await front.hub.wait_for(accepted.event_id, request.timeout_s, accepted.document_id)
         if found is None:
             return _error(
                 504,
@@ -172,7 +176,8 @@ def router(front: Front) -> APIRouter:
         last_event_id: Annotated[str | None, Header(description="Set by EventSource on reconnect.")] = None,
     ) -> StreamingResponse:
         """Analysis events (`event: analysis`) and dead letters (`event: dead_letter`) as they land."""
-        after = int(last_event_id) if last_event_id and last_event_id.isdigit() else None
+        # Our ids are ASCII digits; anything else ("²", 5,000 digits, garbage) is no id: start afresh.
+        after = int(last_event_id) if last_event_id and _EVENT_ID.fullmatch(last_event_id) else None
 
         async def stream() -> AsyncIterator[bytes]:
             yield b"retry: 2000\n\n"

@@ -6,6 +6,7 @@ or prompts; other packages import from here, never the other way round.
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from datetime import datetime
 from enum import StrEnum
@@ -15,8 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 SCHEMA_VERSION: Literal["1.0"] = "1.0"
 
-# Fixed namespace so that (topic, partition, offset) always maps to the same event id,
-# on every worker and across restarts: a re-delivered record yields the same id.
+# Fixed namespace so that a record always maps to the same event id, on every worker and across
+# restarts: a re-delivered record yields the same id.
 EVENT_ID_NAMESPACE = uuid.UUID("5b0f7c1e-4f2a-4d7e-9a51-0d5f3e6a2c11")
 
 NonEmptyStr = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)]
@@ -57,11 +58,23 @@ class DeadLetterReason(StrEnum):
     TOO_LONG = "too_long"
     MODEL_OUTPUT_INVALID = "model_output_invalid"
     GENERATION_FAILED = "generation_failed"
+    UNREADABLE_RECORD = "unreadable_record"  # the Kafka client cannot parse it (e.g. a header key not UTF-8)
+    ANSWER_REJECTED = "answer_rejected"  # the broker refused the record's answer (e.g. too large)
+    INTERNAL_ERROR = "internal_error"  # a failure of ours while handling it: a bug to report
 
 
-def event_id_for(topic: str, partition: int, offset: int) -> str:
-    """The id of whatever answers the record at these coordinates (analysis or dead letter)."""
-    return str(uuid.uuid5(EVENT_ID_NAMESPACE, f"{topic}/{partition}/{offset}"))
+def event_id_for(
+    topic: str, partition: int, offset: int, timestamp_ms: int | None, value: bytes | None
+) -> str:
+    """The id of whatever answers this record (analysis or dead letter).
+
+    Bound to the record itself, not only to where it lies: offsets start again at 0 when a topic
+    is re-created or a memory-only broker restarts, so coordinates alone would give a new record
+    the id of an old one (and its answer). A re-delivered record keeps its timestamp and bytes,
+    so it keeps its id; an id cannot be predicted without the record's content."""
+    digest = "null" if value is None else hashlib.sha256(value).hexdigest()
+    stamp = "none" if timestamp_ms is None else str(timestamp_ms)
+    return str(uuid.uuid5(EVENT_ID_NAMESPACE, f"{topic}/{partition}/{offset}/{stamp}/{digest}"))
 
 
 class _Wire(BaseModel):
@@ -90,6 +103,7 @@ class SourceCoordinates(_Wire):
     topic: str
     partition: int = Field(ge=0)
     offset: int = Field(ge=0)
+    timestamp_ms: int | None = Field(default=None, description="The record's Kafka timestamp (ms).")
 
 
 class KeyInformation(_Wire):
@@ -216,7 +230,13 @@ class DeadLetter(_Wire):
         default=False,
         description="The value was too large to carry whole: the original stays at `source` in its topic.",
     )
+    key_bytes: int | None = Field(default=None, ge=0, description="Length of the original key.")
+    key_sha256: str | None = Field(default=None, description="SHA-256 of the whole original key, hex.")
+    key_truncated: bool = Field(default=False, description="Only the key's first bytes are carried.")
     headers: list[Header]
+    headers_truncated: bool = Field(
+        default=False, description="Some headers, or the ends of long ones, were left out (bounded size)."
+    )
     error_type: DeadLetterReason
     error_message: str
     attempts: int = Field(ge=0, description="Generations tried before giving up (0: rejected on decode).")

@@ -92,6 +92,7 @@ async function analyze(event) {
   } catch (err) {
     setBusy(false); showError("无法连接服务 · Cannot reach the service"); return;
   }
+  if (response.status === 401) { location.assign("/login?next=/"); return; }  // HTTP_TOKEN set, no session
   if (response.status !== 202) {
     const body = await response.json().catch(() => ({}));
     const detail = typeof body.detail === "string" ? body.detail : JSON.stringify(body.detail || body);
@@ -111,5 +112,5 @@ async function analyze(event) {
 $("form").addEventListener("submit", analyze);
 $("text").addEventListener("input", updateInput);
 $("text").addEventListener("keydown", (e) => { if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) $("form").requestSubmit(); });
-fetch("/api/limits").then((r) => r.json()).then((l) => { maxChars = l.max_document_chars; updateInput(); }).catch(() => {});
+fetch("/api/limits").then((r) => (r.ok ? r.json() : Promise.reject(r.status))).then((l) => { maxChars = l.max_document_chars; updateInput(); }).catch(() => {});
 updateInput();

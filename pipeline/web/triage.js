@@ -74,7 +74,13 @@ function schedule() {
 function connect() {
   const source = new EventSource("/api/events?replay=1000");
   source.onopen = () => { $("live").className = "live up"; $("live").textContent = "实时 · live"; };
-  source.onerror = () => { $("live").className = "live down"; $("live").textContent = "重新连接中 · reconnecting"; };
+  source.onerror = () => {
+    $("live").className = "live down"; $("live").textContent = "重新连接中 · reconnecting";
+    if (source.readyState !== EventSource.CLOSED) return;  // dropped: EventSource reconnects by itself
+    // Refused (EventSource gives up on any status but 200): to the login page on a 401, else retry.
+    fetch("/api/limits").then((r) => { if (r.status === 401) location.assign("/login?next=/triage"); else setTimeout(connect, 5000); },
+      () => setTimeout(connect, 5000));
+  };
   source.addEventListener("analysis", (e) => { if (add(JSON.parse(e.data))) schedule(); });
 }
 

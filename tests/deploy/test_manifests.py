@@ -23,7 +23,8 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from pipeline.settings import Settings, load_settings
+from pipeline.http_guard import HttpGuard
+from pipeline.settings import Settings, SettingsError, load_settings
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 K8S = DEPLOY / "k8s"
@@ -32,6 +33,9 @@ COMPOSE = DEPLOY / "compose.yaml"
 SETTING_NAMES = {name.upper() for name in Settings.model_fields}
 # Read by libraries, not by Settings: the Deployment sets them to lay out a read-only pod.
 LIBRARY_ENV = {"HOME", "XDG_CACHE_HOME", "HF_HOME", "HF_HUB_OFFLINE", "TRITON_CACHE_DIR"}
+# From the downward API, for $(POD_IP) in HTTP_ALLOWED_HOSTS; here a stand-in address.
+DOWNWARD_ENV = {"POD_IP": "10.42.0.7"}
+KAFKA_SECRET = "deepanalyze-kafka"  # noqa: S105 (a name) the worker's envFrom, and KEDA's
 INPUT_TOPICS = {
     Settings.model_fields[name].default
     for name in ("topic_complaints", "topic_meeting_notes", "topic_filings")
@@ -56,10 +60,24 @@ def _manifests() -> list[Doc]:
     return [doc for path in _yaml_files(K8S) if path.name != "kustomization.yaml" for doc in _load(path)]
 
 
+def _all(kind: str) -> list[Doc]:
+    return [doc for doc in _manifests() if doc.get("kind") == kind]
+
+
 def _one(kind: str) -> Doc:
-    found = [doc for doc in _manifests() if doc.get("kind") == kind]
+    found = _all(kind)
     assert len(found) == 1, f"expected exactly one {kind} in deploy/k8s, found {len(found)}"
     return found[0]
+
+
+def _named(kind: str, name: str) -> Doc:
+    found = [doc for doc in _all(kind) if doc["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind} named {name} in deploy/k8s, found {len(found)}"
+    return found[0]
+
+
+def _data(secret: Doc) -> dict[str, str]:
+    return {**secret.get("stringData", {}), **secret.get("data", {})}
 
 
 def _config() -> dict[str, str]:
@@ -68,8 +86,13 @@ def _config() -> dict[str, str]:
 
 
 def _secret() -> dict[str, str]:
-    secret = _one("Secret")
-    return {**secret.get("stringData", {}), **secret.get("data", {})}
+    """The keys of every Secret together (no key in two of them)."""
+    merged: dict[str, str] = {}
+    for secret in _all("Secret"):
+        data = _data(secret)
+        assert not merged.keys() & data.keys(), f"a key of {secret['metadata']['name']} is in another Secret"
+        merged |= data
+    return merged
 
 
 def _setting(name: str) -> Any:
@@ -91,7 +114,25 @@ def _container() -> Doc:
 
 
 def _container_env() -> dict[str, str]:
-    return {item["name"]: item.get("value", "") for item in _container().get("env", [])}
+    """`env` as the container sees it: secretKeyRef read from the Secret, the downward API's stand-ins,
+    and $(NAME) replaced by an earlier variable, as the kubelet does."""
+    env: dict[str, str] = {}
+    for item in _container().get("env", []):
+        ref = item.get("valueFrom", {})
+        if "secretKeyRef" in ref:
+            value = _data(_named("Secret", ref["secretKeyRef"]["name"]))[ref["secretKeyRef"]["key"]]
+        elif "fieldRef" in ref:
+            value = DOWNWARD_ENV[item["name"]]
+        else:
+            value = re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), item.get("value", ""))
+        env[item["name"]] = value
+    return env
+
+
+def _worker_environment() -> dict[str, str]:
+    """The worker's settings as the pod gives them: envFrom (ConfigMap, Secret), then `env` on top."""
+    environment = {**_config(), **_data(_named("Secret", KAFKA_SECRET)), **_container_env()}
+    return {k.lower(): v for k, v in environment.items() if k.lower() in Settings.model_fields}
 
 
 def _duration_s(value: str | int | float) -> float:
@@ -150,9 +191,11 @@ def test_required_kinds_are_present_with_their_api_versions() -> None:
         "PodDisruptionBudget": "policy/v1",
         "ScaledObject": "keda.sh/v1alpha1",
         "TriggerAuthentication": "keda.sh/v1alpha1",
+        "NetworkPolicy": "networking.k8s.io/v1",
     }
     for kind, api_version in expected.items():
-        assert _one(kind)["apiVersion"] == api_version, kind
+        assert _all(kind), f"no {kind} in deploy/k8s"
+        assert {doc["apiVersion"] for doc in _all(kind)} == {api_version}, kind
 
 
 def test_kustomization_lists_every_manifest_file() -> None:
@@ -192,17 +235,15 @@ def test_env_names_are_real_settings() -> None:
         )
     assert not set(config) & set(secret), "a name in both the ConfigMap and the Secret: which one wins?"
     for name in _container_env():
-        assert name in SETTING_NAMES or name.startswith("OTEL_") or name in LIBRARY_ENV, name
+        known = name in SETTING_NAMES or name in LIBRARY_ENV or name in DOWNWARD_ENV
+        assert known or name.startswith("OTEL_"), name
 
 
 def test_config_values_are_strings_and_valid_settings() -> None:
     config, secret = _config(), _secret()
     for name, value in [*config.items(), *secret.items()]:
         assert isinstance(value, str), f"{name}: {value!r} must be a quoted string in a ConfigMap/Secret"
-    # What the container sees: envFrom (ConfigMap, Secret), then `env` on top.
-    environment = {**config, **secret, **_container_env()}
-    fields = {k.lower(): v for k, v in environment.items() if k.lower() in Settings.model_fields}
-    settings = load_settings(**fields)  # raises SettingsError naming the variable
+    settings = load_settings(**_worker_environment())  # raises SettingsError naming the variable
     assert settings.kafka_security_protocol.startswith("SASL")
     assert settings.kafka_sasl_username and settings.kafka_sasl_password
     assert settings.max_inflight >= settings.max_batch_size, (
@@ -213,14 +254,56 @@ def test_config_values_are_strings_and_valid_settings() -> None:
 def test_env_from_references_existing_config_and_secret() -> None:
     refs = _container()["envFrom"]
     assert {"configMapRef": {"name": _one("ConfigMap")["metadata"]["name"]}} in refs
-    assert {"secretRef": {"name": _one("Secret")["metadata"]["name"]}} in refs
+    assert {"secretRef": {"name": _named("Secret", KAFKA_SECRET)["metadata"]["name"]}} in refs
 
 
 def test_secret_holds_placeholders_only() -> None:
-    secret = _one("Secret")
-    assert "data" not in secret, "base64 `data` in a committed Secret: use placeholders in stringData"
-    for name, value in secret["stringData"].items():
-        assert value.startswith("CHANGE-ME"), f"{name} does not look like a placeholder: real credentials?"
+    for secret in _all("Secret"):
+        assert "data" not in secret, "base64 `data` in a committed Secret: use placeholders in stringData"
+        for name, value in secret["stringData"].items():
+            assert value.startswith("CHANGE-ME"), (
+                f"{name} does not look like a placeholder: real credentials?"
+            )
+
+
+def test_the_http_token_comes_from_its_own_secret_so_the_pod_may_listen_beyond_loopback() -> None:
+    (item,) = [e for e in _container()["env"] if e["name"] == "HTTP_TOKEN"]
+    assert "value" not in item, "HTTP_TOKEN written into the Deployment"
+    ref = item["valueFrom"]["secretKeyRef"]
+    assert ref["key"] in _data(_named("Secret", ref["name"]))
+    # Not in the Kafka Secret: Prometheus reads this token, and must not read the Kafka password.
+    assert ref["name"] != KAFKA_SECRET and "HTTP_TOKEN" not in _config()
+    environment = _worker_environment()
+    settings = load_settings(**environment)
+    assert settings.status_host == ALL_INTERFACES and settings.http_token is not None
+    with pytest.raises(SettingsError, match="HTTP_TOKEN"):  # the bind needs the token
+        load_settings(**{k: v for k, v in environment.items() if k != "http_token"})
+    # Probes and Prometheus send the pod's IP as the Host: the host check must let it through.
+    assert DOWNWARD_ENV["POD_IP"] in HttpGuard.from_settings(settings).allowed_hosts
+
+
+def test_the_network_policy_selects_the_workers_and_opens_only_the_http_port() -> None:
+    spec = _one("NetworkPolicy")["spec"]
+    pod_labels = _one("Deployment")["spec"]["template"]["metadata"]["labels"]
+    selector = spec["podSelector"]["matchLabels"]
+    assert selector and selector.items() <= pod_labels.items(), "the NetworkPolicy selects no worker pod"
+    assert set(spec["policyTypes"]) == {"Ingress", "Egress"}
+
+    ports = {p["name"]: p["containerPort"] for p in _container()["ports"]}
+    for direction, peers in (("ingress", "from"), ("egress", "to")):
+        for rule in spec[direction]:
+            assert rule.get(peers) and rule.get("ports"), f"an {direction} rule open to every peer or port"
+            for peer in rule[peers]:
+                selectors = [peer.get(k, {}).get("matchLabels") for k in ("namespaceSelector", "podSelector")]
+                assert any(selectors) or "ipBlock" in peer, f"an {direction} peer matching everything: {peer}"
+    for rule in spec["ingress"]:
+        assert [ports.get(p["port"], p["port"]) for p in rule["ports"]] == list(ports.values())
+
+    egress = {(p["port"], p.get("protocol", "TCP")) for rule in spec["egress"] for p in rule["ports"]}
+    config = _config()
+    needed = {(53, "UDP"), (53, "TCP"), (_port_of(config["OTEL_EXPORTER_OTLP_ENDPOINT"]), "TCP")}
+    needed |= {(_port_of(server), "TCP") for server in config["KAFKA_BOOTSTRAP_SERVERS"].split(",")}
+    assert needed <= egress, f"the workers cannot reach {sorted(needed - egress)}"
 
 
 def test_probes_and_metrics_target_the_container_port() -> None:
@@ -321,12 +404,12 @@ def test_scaled_object_scales_the_deployment_on_the_group_lag() -> None:
 
 
 def test_trigger_authentication_reads_the_secret() -> None:
-    secret = _one("Secret")
+    secret = _named("Secret", KAFKA_SECRET)
     refs = _one("TriggerAuthentication")["spec"]["secretTargetRef"]
     assert {ref["parameter"] for ref in refs} >= {"username", "password"}
     for ref in refs:
         assert ref["name"] == secret["metadata"]["name"]
-        assert ref["key"] in _secret(), f"{ref['key']} is not a key of the Secret"
+        assert ref["key"] in _data(secret), f"{ref['key']} is not a key of the Secret"
 
 
 # -- compose and the collector ----------------------------------------------------------------------
@@ -417,6 +500,8 @@ def test_compose_worker_settings() -> None:
         assert name in SETTING_NAMES or name.startswith("OTEL_"), name
     settings = load_settings(**{k.lower(): v for k, v in env.items() if k.lower() in Settings.model_fields})
     assert settings.model_path == Path("/model")
+    # It listens beyond loopback in its container, so the token is required, from the environment.
+    assert settings.status_host == ALL_INTERFACES and env["HTTP_TOKEN"].startswith("${HTTP_TOKEN:?")
     assert env.get("OTEL_SERVICE_NAME"), "traces need a service name"
     # Docker's default stop timeout is 10 s: the drain needs longer.
     drain = float(env.get("SHUTDOWN_GRACE_S", Settings.model_fields["shutdown_grace_s"].default))
@@ -474,10 +559,17 @@ def test_telemetry_is_wired_between_services() -> None:
     scrape = config["receivers"]["prometheus"]["config"]["scrape_configs"]
     targets = [t for job in scrape for group in job["static_configs"] for t in group["targets"]]
     assert targets
-    status_port = int(_environment(services["deepanalyze"]).get("STATUS_PORT", 3000))
+    worker = _environment(services["deepanalyze"])
+    status_port = int(worker.get("STATUS_PORT", 3000))
+    allowed = load_settings(http_allowed_hosts=worker.get("HTTP_ALLOWED_HOSTS", "")).http_allowed_hosts
     for target in targets:
         assert _host_of(target) in services and _port_of(target) == status_port, target
+        assert _host_of(target) in allowed, f"the worker answers {target} with 400 (HTTP_ALLOWED_HOSTS)"
     assert all(job.get("metrics_path", "/metrics") == "/metrics" for job in scrape)
+    # /metrics needs the worker's token: the collector sends it from its own environment.
+    for job in scrape:
+        assert job["authorization"] == {"type": "Bearer", "credentials": "${env:HTTP_TOKEN}"}, job
+    assert _environment(services[collector_name])["HTTP_TOKEN"].startswith("${HTTP_TOKEN:?")
     metrics = next(p for n, p in config["service"]["pipelines"].items() if n.split("/")[0] == "metrics")
     assert "prometheus" in metrics["receivers"]
     assert {"prometheus", "debug"} & set(metrics["exporters"])
@@ -524,7 +616,18 @@ def test_docker_compose_config_accepts_the_file(tmp_path: Path) -> None:
             ".ci/fetch-compose .venv/bin/docker-compose provides it"
         )
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}
+    env["HTTP_TOKEN"] = "0123456789abcdef0123"  # noqa: S105 (a stand-in)
     without_model_dir = {k: v for k, v in env.items() if k != "MODEL_DIR"}
+    without_token = {**{k: v for k, v in env.items() if k != "HTTP_TOKEN"}, "MODEL_DIR": str(tmp_path)}
+    missing_token = subprocess.run(
+        [*command, "-f", str(COMPOSE), "config", "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=without_token,
+    )
+    assert missing_token.returncode != 0 and "HTTP_TOKEN" in missing_token.stderr, "HTTP_TOKEN is required"
 
     missing = subprocess.run(
         [*command, "-f", str(COMPOSE), "config", "--quiet"],

@@ -47,6 +47,33 @@ def test_revoked_partitions_are_forgotten_and_late_answers_ignored() -> None:
     assert tracker.to_commit() == {}
 
 
+def test_a_record_fetched_again_while_in_flight_is_not_registered_twice() -> None:
+    tracker = OffsetTracker()
+    assert tracker.register(TP, 5) and tracker.register(TP, 6)
+    assert not tracker.register(TP, 5)
+    tracker.mark_done(TP, 5)
+    tracker.mark_done(TP, 6)
+    assert tracker.to_commit() == {TP: 7}
+    assert tracker.next_to_read(TP) == 7
+
+
+def test_an_offset_reset_starts_the_partition_over_instead_of_raising() -> None:
+    """After an offset reset (or a re-created topic) offsets come again from lower down: this
+    raised ValueError out of the consume loop. Now counting starts over from the new offset, and
+    answers to the old offsets still in flight publish but move no commit."""
+    tracker = OffsetTracker()
+    for offset in (40, 41, 42):
+        tracker.register(TP, offset)
+    tracker.mark_done(TP, 40)
+    tracker.committed(tracker.to_commit())
+    assert tracker.register(TP, 3)
+    tracker.mark_done(TP, 41)  # a late answer from before the reset
+    assert tracker.to_commit() == {}
+    tracker.mark_done(TP, 3)
+    assert tracker.to_commit() == {TP: 4}
+    assert tracker.num_pending(TP) == 0
+
+
 def test_random_completion_orders_commit_exactly_what_is_done() -> None:
     rng = random.Random(3)
     for _ in range(200):

@@ -159,3 +159,32 @@ async def _tab_to(page: Any, element_id: str, limit: int = 20) -> None:
         if await page.evaluate("document.activeElement.id") == element_id:
             return
     raise AssertionError(f"#{element_id} is not reachable with Tab")
+
+
+async def test_with_a_token_the_pages_ask_for_it_once_then_the_cookie_carries_their_requests(
+    browser: Any,
+) -> None:
+    """HTTP_TOKEN set (no model or broker needed: a stand-in answer hub): a page sends the browser
+    to the login form; after it the session cookie carries the pages' fetches and the event stream,
+    which EventSource could not authenticate with a header."""
+    from tests.pipeline.test_http import TOKEN, guarded
+
+    errors: list[str] = []
+    async with guarded(http_token=TOKEN) as url:
+        page = await browser.new_page()
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        await page.goto(f"{url}/triage")
+        assert page.url == f"{url}/login?next=/triage"
+        await page.fill("#token", "not-the-token")
+        await page.click("button[type=submit]")
+        assert "Wrong token" in (await page.text_content("[role=alert]") or "")
+        await page.fill("#token", TOKEN)
+        await page.click("button[type=submit]")
+        await page.wait_for_selector("#live.up", timeout=10_000)  # the stream, on the cookie
+        assert page.url == f"{url}/triage"
+        (cookie,) = await page.context.cookies()
+        assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and TOKEN not in cookie["value"]
+        await page.goto(url)
+        await page.wait_for_function("document.querySelector('#count').textContent.includes('/ 8000')")
+        await page.screenshot(path=ARTIFACTS / "login-then-analyse.png")
+    assert errors == []

@@ -146,7 +146,8 @@ async def test_every_record_answered_once_and_committed(settings: Settings, tele
 
 
 def _sent_of(letter: AnalysisEvent | DeadLetter) -> Sent:
-    return Sent("", letter.source.topic, letter.source.partition, letter.source.offset)
+    source = letter.source
+    return Sent("", source.topic, source.partition, source.offset, letter.event_id)
 
 
 def _settings_env(settings: Settings) -> dict[str, str]:

@@ -17,9 +17,18 @@ def test_exported_json_schema_matches_the_models(name: str) -> None:
 
 
 def test_event_id_is_deterministic_and_distinct_per_coordinates() -> None:
-    assert event_id_for("docs.complaints", 0, 7) == event_id_for("docs.complaints", 0, 7)
-    ids = {event_id_for(t, p, o) for t in ("a", "b") for p in (0, 1) for o in (0, 1, 10)}
+    assert event_id_for("docs.complaints", 0, 7, 1, b"x") == event_id_for("docs.complaints", 0, 7, 1, b"x")
+    ids = {event_id_for(t, p, o, 1, b"x") for t in ("a", "b") for p in (0, 1) for o in (0, 1, 10)}
     assert len(ids) == 12
+
+
+def test_event_id_differs_for_another_record_at_the_same_coordinates() -> None:
+    """Offsets restart at 0 on a re-created topic: the record there now (another time, other
+    bytes) must not take the id, and so the answer, of the one that was there before."""
+    alice = event_id_for("docs.complaints", 0, 0, 1_796_000_000_000, b"Alice's card 4111...")
+    assert alice != event_id_for("docs.complaints", 0, 0, 1_796_000_000_000, b"Bob's complaint")
+    assert alice != event_id_for("docs.complaints", 0, 0, 1_796_000_999_999, b"Alice's card 4111...")
+    assert event_id_for("t", 0, 0, None, None) != event_id_for("t", 0, 0, None, b"")
 
 
 def test_document_event_rejects_blank_text_and_unknown_fields() -> None:
