@@ -80,11 +80,19 @@ async def serve(
     telemetry: Telemetry | None = None,
     on_ready: Callable[[Service, int], None] | None = None,
 ) -> None:
-    """Runs one worker until `stop` is set."""
+    """Runs one worker until `stop` is set. The start-up steps run in threads, which a stop cannot
+    interrupt (the process waits for them before it exits), so `stop` is looked at after each: a
+    SIGTERM during start-up costs the step under way, not the model load and a broker wait too."""
     telemetry = telemetry or setup_telemetry(settings)
     await asyncio.to_thread(self_test, select_device(settings.device))
-    config = engine_config(settings, resolve_model_path(settings))
-    engine = await asyncio.to_thread(Engine.from_config, config)
+    if _stopped(stop, "the engine self-test"):
+        return
+    model_path = await asyncio.to_thread(resolve_model_path, settings)
+    if _stopped(stop, "finding the model"):
+        return
+    engine = await asyncio.to_thread(Engine.from_config, engine_config(settings, model_path))
+    if _stopped(stop, "loading the model"):
+        return
     async with engine:
         service = Service(settings, engine, telemetry)
         hub = AnswerHub(settings)
@@ -106,3 +114,9 @@ async def serve(
             finally:
                 await hub.close()
                 await front.close()
+
+
+def _stopped(stop: asyncio.Event, step: str) -> bool:
+    if stop.is_set():
+        log.info("stopped during start-up, after %s", step)
+    return stop.is_set()

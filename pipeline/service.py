@@ -69,6 +69,7 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         log.info("assigned %s", sorted(f"{tp.topic}[{tp.partition}]" for tp in assigned))
         consumer = self.service.consumer
+        await self.service.read_reborn_from_start(assigned)
         for tp in assigned:  # where the group stood: the lag gauge's baseline until we commit
             try:
                 self.service.start_offsets[tp] = await consumer.committed(tp) or 0
@@ -99,6 +100,7 @@ class Service:
         self._paused = False
         self._committing: asyncio.Task[None] | None = None
         self._watch: ClusterWatch | None = None
+        self._reborn: set[str] = set()  # input topics created anew: read from their start when assigned
 
     @property
     def consumer(self) -> AIOKafkaConsumer:
@@ -166,6 +168,7 @@ class Service:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Consumes until `stop` is set, then drains in-flight work, commits and closes."""
+        self._close_left_s = self.settings.shutdown_close_s  # what `_bounded` steps have left
         if not await _unless_stopped(stop, self._meet_broker()):
             log.info("stopped while waiting for Kafka")
             return
@@ -186,7 +189,7 @@ class Service:
             consumer.subscribe(list(self.settings.input_topics), listener=_Rebalance(self))
             if not await _unless_stopped(stop, consumer.start()):
                 return
-            self._watch = ClusterWatch(self.settings, consumer)
+            self._watch = ClusterWatch(self.settings, consumer, self.topics_recreated)
             watching = asyncio.create_task(self._watch.run(stop), name="cluster-watch")
             try:
                 self.is_ready = True
@@ -202,6 +205,24 @@ class Service:
         if self._fatal is not None:
             raise self._fatal
 
+    async def topics_recreated(self, topics: list[str]) -> None:
+        """Input topics found gone and created again: their offsets start over at 0, so reading
+        must too. A consumer keeps its position (and the group may keep its commit) from the old
+        topic, and would skip the new records below it, answering none of them."""
+        self._reborn |= set(topics) & set(self.settings.input_topics)
+        await self.read_reborn_from_start(self.consumer.assignment())
+
+    async def read_reborn_from_start(self, partitions: set[TopicPartition]) -> None:
+        reborn = {tp for tp in partitions if tp.topic in self._reborn}
+        if not reborn:
+            return
+        log.warning(
+            "reading %s from the start: created anew", sorted(f"{tp.topic}[{tp.partition}]" for tp in reborn)
+        )
+        self.tracker.forget(reborn)
+        await self.consumer.seek_to_beginning(*reborn)
+        self._reborn -= {tp.topic for tp in reborn}
+
     async def _meet_broker(self) -> None:
         await wait_for_broker(self.settings, self.settings.broker_wait_s)
         await ensure_topics(self.settings)
@@ -214,13 +235,24 @@ class Service:
         await self._bounded("leaving the group", consumer.stop())
 
     async def _bounded(self, what: str, step: Any) -> None:
-        """One shutdown step within SHUTDOWN_CLOSE_S: a broker that is down must not hold the exit."""
+        """One shutdown step, within what its run has left of SHUTDOWN_CLOSE_S: the steps share it
+        (a bound each would add up, past a pod's termination grace), so a broker that is down holds
+        the exit for SHUTDOWN_CLOSE_S at most, besides the grace for in-flight documents."""
+        started = time.monotonic()
         try:
-            await asyncio.wait_for(step, self.settings.shutdown_close_s)
+            await asyncio.wait_for(step, max(0.0, self._close_left_s))
         except TimeoutError:
-            log.warning("%s took longer than %.0f s; gave up", what, self.settings.shutdown_close_s)
+            log.warning("%s: gave up, SHUTDOWN_CLOSE_S (%.0f s) spent", what, self.settings.shutdown_close_s)
         except KafkaError as exc:
             log.warning("%s failed: %s", what, exc)
+        except asyncio.CancelledError:
+            # With the broker down, aiokafka's consumer.stop() awaits a fetch task it has just
+            # cancelled and lets that CancelledError out; only a cancellation of our own goes on.
+            if (task := asyncio.current_task()) is not None and task.cancelling():
+                raise
+            log.warning("%s was cut short inside the Kafka client", what)
+        finally:
+            self._close_left_s -= time.monotonic() - started
 
     async def _consume(self, stop: asyncio.Event, fetcher: Fetcher) -> None:
         last_commit = time.monotonic()

@@ -38,6 +38,7 @@ def status_report(service: Service) -> dict[str, Any]:
         "in_flight": service.in_flight,
         "paused": service.paused,
         "consumer_lag": {f"{tp.topic}[{tp.partition}]": lag for tp, lag in sorted(service.lag().items())},
+        "cluster": _cluster(service),
         "engine": {
             "waiting": stats.num_waiting,
             "running": stats.num_running,
@@ -63,4 +64,17 @@ def status_report(service: Service) -> dict[str, Any]:
         "input_topics": list(service.settings.input_topics),
         "consumer_group": service.settings.consumer_group,
         "uptime_s": round(time.time() - service.started_at, 1),
+    }
+
+
+def _cluster(service: Service) -> dict[str, Any] | None:
+    """What the cluster watch last saw: reachable, each topic's partitions, what looks wrong."""
+    if service.watch is None:
+        return None
+    view = service.watch.view
+    return {
+        "reachable": view.reachable,
+        "partitions": dict(sorted(view.partitions.items())),
+        "problems": view.problems,
+        "recreated_topics": list(view.recreated),
     }

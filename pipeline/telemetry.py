@@ -1,7 +1,11 @@
 """OpenTelemetry wiring: tracer provider, aiokafka instrumentation, trace-context helpers.
 
 The aiokafka instrumentation patches the client classes process-wide, so it is applied once per
-process with the first provider given; spans of ours come from the same provider.
+process with the first provider given; spans of ours come from the same provider. Only its
+producer side is kept (the `send` span that puts the trace context into the record's headers):
+its consumer side decodes those headers strictly inside `getmany`, so one record whose
+`traceparent` is not UTF-8 made every fetch raise, froze the partition and dropped the records
+fetched with it. The worker's own `process` span reads the context tolerantly instead.
 """
 
 from __future__ import annotations
@@ -48,12 +52,16 @@ def build_provider(settings: Settings) -> TracerProvider:
 
 
 def setup_telemetry(settings: Settings, provider: TracerProvider | None = None) -> Telemetry:
+    from aiokafka import AIOKafkaConsumer
     from opentelemetry.instrumentation.aiokafka import AIOKafkaInstrumentor
+    from opentelemetry.instrumentation.utils import unwrap
 
     provider = provider or build_provider(settings)
     instrumentor = AIOKafkaInstrumentor()
     if not instrumentor.is_instrumented_by_opentelemetry:
         instrumentor.instrument(tracer_provider=provider)
+        unwrap(AIOKafkaConsumer, "getone")
+        unwrap(AIOKafkaConsumer, "getmany")
     return Telemetry(provider, provider.get_tracer(TRACER_NAME))
 
 

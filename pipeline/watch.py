@@ -5,7 +5,8 @@ Why: a memory-only broker that restarts, or a topic deleted by hand, comes back 
 topics; the first answer published would then create its topic with the broker's defaults. The
 watch re-creates missing topics with the configured partitions (`ensure_topics`) as soon as it
 sees them gone, and reports a partition count that differs from the one first seen (a topic
-re-created behind our back) in `/api/status`. Lag covers every partition of the input topics,
+re-created behind our back) in `/api/status`; the service reads a re-created input topic
+from its start (its offsets began again at 0). Lag covers every partition of the input topics,
 also those assigned to no one or to other workers (end offset minus the group's commit), so an
 unread partition does not show lag 0. Reachability changes are logged once each, not per retry.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,9 +48,16 @@ class ClusterView:
 
 
 class ClusterWatch:
-    def __init__(self, settings: Settings, consumer: AIOKafkaConsumer, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        consumer: AIOKafkaConsumer,
+        on_recreated: Callable[[list[str]], Awaitable[None]] | None = None,
+        timeout_s: float = 10.0,
+    ) -> None:
         self.settings = settings
         self.consumer = consumer
+        self.on_recreated = on_recreated
         self.timeout_s = timeout_s
         self.view = ClusterView()
         self._admin: AIOKafkaAdminClient | None = None
@@ -83,6 +92,8 @@ class ClusterWatch:
             log.warning("topics %s are gone (broker restarted, or deleted); creating them again", missing)
             await ensure_topics(self.settings, missing)
             view.recreated += missing
+            if self.on_recreated is not None:
+                await self.on_recreated(missing)
             seen = await self._partitions()
         for topic, found in seen.items():
             count = len(found)

@@ -15,11 +15,15 @@ import json
 import logging
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.structs import TopicPartition
+from hypothesis import HealthCheck, given
+from hypothesis import settings as settings_
+from hypothesis import strategies as st
 
 from pipeline.client import answer_id, collect_answers
 from pipeline.kafka import client_options, ensure_topics
@@ -196,3 +200,129 @@ def _ends(answers: Iterable[AnalysisEvent | DeadLetter]) -> dict[TopicPartition,
         tp = TopicPartition(answer.source.topic, answer.source.partition)
         ends[tp] = max(ends.get(tp, 0), answer.source.offset + 1)
     return ends
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+DOCUMENTS = st.fixed_dictionaries(
+    {"text": st.text(max_size=300)},
+    optional={
+        "document_id": st.text(max_size=300),
+        "kind": st.sampled_from(["complaint", "filing", "meeting_notes", "poem", ""]),
+        "language": st.sampled_from(["zh", "en", "fr"]),
+        "metadata": JSON_VALUES,
+        "surprise": JSON_VALUES,
+    },
+).map(lambda doc: json.dumps(doc).encode())
+# The shapes an attacker found: JSON nested past the parser's recursion, integers past Python's
+# 4,300-digit limit, and values past the message limit.
+HOSTILE_VALUES = st.sampled_from(
+    [
+        b'{"text": "x", "metadata": ' + b"[" * 3_000 + b"]" * 3_000 + b"}",
+        b'{"text": "x", "metadata": {"n": ' + b"1" * 5_000 + b"}}",
+        b"\xff" * 1_500_000,
+    ]
+)
+VALUES = (
+    st.none() | st.binary(max_size=600) | st.text(max_size=300).map(str.encode) | DOCUMENTS | HOSTILE_VALUES
+)
+KEYS = st.none() | st.binary(max_size=64) | st.sampled_from([b"K" * 800_000, "名".encode() * 300])
+HEADERS = st.lists(
+    st.tuples(
+        st.sampled_from(["content-type", "traceparent", "baggage"]) | st.text(max_size=300),
+        st.none()
+        | st.binary(max_size=200)
+        | st.sampled_from([b"application/json", b"text/plain", b"\xee" * 200_000]),
+    ),
+    max_size=5,
+)
+
+
+@pytest.fixture
+async def worker(
+    settings: Settings, telemetry: Telemetry
+) -> AsyncIterator[tuple[Settings, AIOKafkaProducer]]:
+    """One worker (stand-in engine) for all of a property test's examples, and a producer."""
+    await ensure_topics(settings)
+    producer = AIOKafkaProducer(**client_options(settings), max_request_size=8 * 1024 * 1024)
+    await producer.start()
+    service = Service(settings, ScriptedEngine(), telemetry)
+    try:
+        async with running(service, asyncio.Event()) as task:
+            yield settings, producer
+            assert not task.done(), "the worker stopped"
+    finally:
+        await producer.stop()
+
+
+@settings_(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+    ],
+)
+@given(records=st.lists(st.tuples(VALUES, KEYS, HEADERS), min_size=1, max_size=8))
+async def test_whatever_a_record_holds_it_ends_as_one_answer_within_the_limit_and_commits_advance(
+    worker: tuple[Settings, AIOKafkaProducer], records: list[tuple[bytes | None, bytes | None, list[Any]]]
+) -> None:
+    settings, producer = worker
+    sent = {}
+    for i, (value, key, headers) in enumerate(records):
+        key = key if key is not None or value is not None else b"tombstone"
+        now_ms = int(time.time() * 1000)
+        topic = list(settings.input_topics)[i % 3]
+        meta = await producer.send_and_wait(topic, value, key=key, headers=headers, timestamp_ms=now_ms)
+        sent[answer_id(meta, value, now_ms)] = meta
+    answers = await collect_answers(settings, set(sent), timeout_s=60)
+    assert set(sent) <= answers.keys()
+    for event_id, meta in sent.items():
+        assert len({a.model_dump_json(exclude={"created_at", "timings"}) for a in answers[event_id]}) == 1
+        answer = answers[event_id][0]
+        assert (answer.source.topic, answer.source.partition, answer.source.offset) == (
+            meta.topic, meta.partition, meta.offset,
+        )  # fmt: skip
+        assert len(answer.model_dump_json().encode()) <= settings.max_message_bytes
+        if isinstance(answer, DeadLetter):
+            assert answer.error_message
+    ends: dict[TopicPartition, int] = {}
+    for meta in sent.values():
+        ends[meta.topic_partition] = max(ends.get(meta.topic_partition, 0), meta.offset + 1)
+    for _ in range(50):  # commits follow answers within a commit interval or two
+        committed = await committed_offsets(settings, set(ends))
+        if all((committed[tp] or 0) >= end for tp, end in ends.items()):
+            break
+        await asyncio.sleep(0.2)
+    assert all((committed[tp] or 0) >= end for tp, end in ends.items()), (committed, ends)
+
+
+async def test_a_trace_header_that_is_not_utf8_neither_freezes_nor_loses_the_document(
+    settings: Settings, telemetry: Telemetry
+) -> None:
+    """The aiokafka instrumentation decoded `traceparent` strictly inside `getmany`: one such
+    record made every fetch raise, and the records fetched with it were dropped. Now the document
+    is analysed (its trace simply starts anew), and so are its neighbours."""
+    await ensure_topics(settings)
+    values = [json.dumps({"document_id": f"d{i}", "text": f"Parcel {i} lost."}).encode() for i in range(3)]
+    headers = [[], [("traceparent", b"\xff\xfe00-garbage"), ("baggage", b"\xc3\x28")], []]
+    producer = AIOKafkaProducer(**client_options(settings))
+    await producer.start()
+    try:
+        ids = []
+        for value, extra in zip(values, headers, strict=True):
+            now_ms = int(time.time() * 1000)
+            meta = await producer.send_and_wait(
+                settings.topic_complaints, value, headers=JSON + extra, timestamp_ms=now_ms
+            )
+            ids.append(answer_id(meta, value, now_ms))
+    finally:
+        await producer.stop()
+    service = Service(settings, ScriptedEngine(), telemetry)
+    async with running(service, asyncio.Event()):
+        answers = await collect_answers(settings, set(ids), timeout_s=60)
+    assert all(isinstance(answers[i][0], AnalysisEvent) for i in ids), answers

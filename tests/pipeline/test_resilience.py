@@ -1,4 +1,5 @@
-"""The worker against its own embedded broker: a broker restart mid-run, and TLS end to end.
+"""The worker against its own embedded broker: a broker restart mid-run, TLS end to end, and a
+worker process told to stop (SIGTERM) while the broker is missing, and what it logs meanwhile.
 
 About delivery, not the model, so the analyser is the fast stand-in (`ScriptedEngine`). These
 need a broker the test can stop and configure, so they always use the embedded one.
@@ -8,17 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import shutil
+import signal
 import ssl
 import subprocess
+import sys
+import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 from aiokafka.errors import KafkaError
 
-from pipeline.broker import embedded_broker, free_port
+from pipeline.broker import EmbeddedBroker, embedded_broker, free_port
 from pipeline.client import collect_answers, publish_documents
 from pipeline.kafka import ensure_topics, wait_for_broker
 from pipeline.service import Service, running
@@ -26,6 +32,7 @@ from pipeline.settings import Settings, load_settings
 from pipeline.telemetry import Telemetry
 from schemas import AnalysisEvent, DocumentEvent, DocumentKind
 from tests.pipeline.fakes import ScriptedEngine
+from tests.pipeline.test_service import ROOT, _settings_env
 
 pytestmark = pytest.mark.integration
 OPENSSL = shutil.which("openssl") or ""
@@ -136,3 +143,144 @@ async def test_tls_to_the_broker_end_to_end(telemetry: Telemetry, tmp_path: Path
             ):
                 with pytest.raises((KafkaError, OSError, asyncio.TimeoutError)):
                     await asyncio.wait_for(wait_for_broker(wrong, timeout_s=3), timeout=15)
+
+
+# -- a worker process told to stop while the broker is missing --------------------------------
+
+
+@dataclass
+class WorkerProcess:
+    """`python -m tests.pipeline.worker`, with what it logs (its stderr) collected line by line."""
+
+    process: asyncio.subprocess.Process
+    lines: list[str] = field(default_factory=list)
+
+    async def read(self) -> None:
+        assert self.process.stderr is not None
+        async for line in self.process.stderr:
+            self.lines.append(line.decode(errors="replace"))
+
+    def count(self, pattern: str) -> int:
+        return sum(bool(re.search(pattern, line)) for line in self.lines)
+
+    def tail(self, n: int = 40) -> str:
+        return "".join(self.lines[-n:])
+
+    async def wait_for(self, pattern: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.count(pattern):
+            code = self.process.returncode
+            assert code is None, f"the worker exited ({code}):\n{self.tail()}"
+            assert time.monotonic() < deadline, f"no {pattern!r} logged within {timeout_s} s:\n{self.tail()}"
+            await asyncio.sleep(0.1)
+
+    async def terminate(self, timeout_s: float) -> tuple[int | None, float]:
+        """SIGTERM: its exit status (None: it was still running after `timeout_s` and was
+        SIGKILLed) and the seconds it took to exit."""
+        sent = time.monotonic()
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            code = await asyncio.wait_for(self.process.wait(), timeout_s)
+        except TimeoutError:
+            self.process.kill()
+            await self.process.wait()
+            return None, time.monotonic() - sent
+        return code, time.monotonic() - sent
+
+
+@contextlib.asynccontextmanager
+async def worker_process(settings: Settings, **env: str) -> AsyncIterator[WorkerProcess]:
+    """A worker process on `settings`, with extra environment (SCRIPTED_DELAY_S is required)."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tests.pipeline.worker",
+        cwd=ROOT,
+        env=_settings_env(settings) | {"PYTHONPATH": str(ROOT)} | env,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    worker = WorkerProcess(process)
+    reading = asyncio.create_task(worker.read())
+    try:
+        yield worker
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+        await reading
+
+
+def kill(broker: EmbeddedBroker) -> None:
+    """Takes the broker away at once: Tansu takes ~5 s to honour SIGTERM, serving meanwhile."""
+    assert broker.process is not None
+    broker.process.kill()
+    broker.stop()
+
+
+async def test_sigterm_while_waiting_for_the_broker_exits_at_once() -> None:
+    """Start-up waits up to BROKER_WAIT_S for Kafka; a SIGTERM then (a rollout, a scale-down, a
+    mistyped address being fixed) must end it at once, not after the wait: the issue saw 20 s+.
+    Nothing listens on the port, so the worker is in that wait for as long as it lasts."""
+    settings = own_settings(f"127.0.0.1:{free_port()}")
+    async with worker_process(settings, SCRIPTED_DELAY_S="0", BROKER_WAIT_S="60") as worker:
+        await worker.wait_for(r"ERROR aiokafka", timeout_s=60)  # a failed attempt: it is waiting
+        code, took_s = await worker.terminate(timeout_s=20)
+    assert code == 0, f"exit status {code} after {took_s:.1f} s:\n{worker.tail()}"
+    assert took_s < 5, f"took {took_s:.1f} s to stop:\n{worker.tail()}"
+
+
+async def test_sigterm_with_the_broker_gone_exits_within_grace_and_close() -> None:
+    """The issue: broker stopped mid-run, then SIGTERM; the worker gave up its in-flight documents
+    after the grace, then hung committing and closing against the missing broker until SIGKILL.
+    Here two documents are answered just before the broker dies and two are mid-analysis; the
+    SIGTERM comes once the periodic commit of the first two has started against the dead broker,
+    so every closing step meets it: that commit, the final one, leaving the group, closing the
+    producer. The worker must abandon the two after SHUTDOWN_GRACE_S, give up committing and
+    closing after SHUTDOWN_CLOSE_S (all steps together: one bound each would add up past a pod's
+    termination grace) and exit 0 by itself. What it did not commit is not lost: Kafka re-delivers
+    it to the partitions' next owner. That part cannot be checked here (the memory-only broker
+    loses everything when it stops), so this checks the exit, and that the two were abandoned."""
+    grace_s, close_s, commit_interval_s = 2.0, 3.0, 3.0
+    with embedded_broker() as broker:
+        settings = own_settings(broker.bootstrap_servers)
+        await ensure_topics(settings)
+        await publish_documents(settings, documents("gone", 4))
+        async with worker_process(
+            settings,
+            SCRIPTED_DELAY_S="10",  # the two fetched after the first two outlive the grace
+            MAX_INFLIGHT="2",
+            COMMIT_INTERVAL_MS=str(int(commit_interval_s * 1000)),
+            SHUTDOWN_GRACE_S=str(grace_s),
+            SHUTDOWN_CLOSE_S=str(close_s),
+        ) as worker:
+            answered = await collect_answers(settings, None, timeout_s=60, count=2)
+            assert sum(map(len, answered.values())) == 2, "the other two should be mid-analysis"
+            kill(broker)
+            await asyncio.sleep(commit_interval_s + 0.5)  # their commit is under way, and stuck
+            code, took_s = await worker.terminate(timeout_s=30)
+    assert code == 0, f"exit status {code} after {took_s:.1f} s:\n{worker.tail()}"
+    assert took_s < grace_s + close_s + 2, f"took {took_s:.1f} s to stop:\n{worker.tail()}"
+    assert worker.count(r"abandoning 2 unfinished documents \(not committed"), worker.tail()
+
+
+async def test_a_broker_outage_is_logged_per_state_change_not_per_retry() -> None:
+    """The issue: ~7,900 `ERROR aiokafka` lines in 80 s with the broker down (unfiltered, each
+    client retries several times a second per node), burying everything else. Over a 20 s
+    outage and the recovery the worker may write only a few dozen of them (repeats held back
+    with doubling pauses, `RepeatFilter`), and says itself, once each, that the cluster became
+    unreachable and that it is reachable again."""
+    with embedded_broker() as broker:
+        settings = own_settings(broker.bootstrap_servers)
+        await ensure_topics(settings)
+        sent = await publish_documents(settings, documents("outage", 3))
+        async with worker_process(settings, SCRIPTED_DELAY_S="0.05", CLUSTER_CHECK_INTERVAL_S="1") as worker:
+            assert len(await collect_answers(settings, {s.event_id for s in sent}, timeout_s=60)) == 3
+            kill(broker)
+            await asyncio.sleep(20)
+            broker.start()
+            await worker.wait_for(r"Kafka cluster reachable again", timeout_s=30)
+            code, _ = await worker.terminate(timeout_s=30)
+    complaints = worker.count(r" (WARNING|ERROR|CRITICAL) aiokafka")
+    assert complaints < 100, f"{complaints} lines from the Kafka client:\n{worker.tail()}"
+    assert worker.count(r"Kafka cluster unreachable") == 1, worker.tail()
+    assert worker.count(r"Kafka cluster reachable again") == 1, worker.tail()
+    assert code == 0, worker.tail()

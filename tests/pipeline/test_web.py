@@ -14,10 +14,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from aiokafka.admin import AIOKafkaAdminClient
 
 from pipeline.answers import AnswerHub
 from pipeline.http import serve_status
-from pipeline.kafka import ensure_topics
+from pipeline.kafka import client_options, ensure_topics
 from pipeline.service import Service, running
 from pipeline.settings import Settings
 from pipeline.telemetry import Telemetry
@@ -209,3 +210,37 @@ async def test_the_openapi_schema_holds_under_schemathesis(settings: Settings, t
     report = out.decode(errors="replace")
     assert proc.returncode == 0, report[-4000:]
     assert "4 selected / 5 total" in report  # all but the stream: analyze, limits, status, healthz
+
+
+async def test_two_requesters_each_get_their_own_analysis_across_a_re_created_topic(
+    settings: Settings, telemetry: Telemetry
+) -> None:
+    """Offsets start again at 0 when a topic is re-created (or a memory-only broker restarts).
+    Event ids were derived from topic/partition/offset alone and the hub kept the first answer per
+    id: Bob's POST returned Alice's analysis, her card number in it. Now the id is bound to the
+    record's timestamp and bytes, and the API only hands a requester the answer to the document
+    it published."""
+    settings = Settings(**{**settings.model_dump(), "topic_partitions": 1, "cluster_check_interval_s": 0.2})
+    async with front_end(settings, telemetry) as url, httpx.AsyncClient(timeout=60) as client:
+        alice = await client.post(
+            f"{url}/api/analyze", json={"text": "Alice: my card 4111 1111 was charged twice."}
+        )
+        assert alice.status_code == 200, alice.text
+        admin = AIOKafkaAdminClient(**client_options(settings))
+        await admin.start()
+        try:
+            await admin.delete_topics([settings.topic_complaints])
+        finally:
+            await admin.close()
+        await asyncio.sleep(2.0)
+        await ensure_topics(settings)  # the worker's watch may have created it again already
+        bob = await client.post(f"{url}/api/analyze", json={"text": "Bob: the fridge arrived dented."})
+    assert bob.status_code == 200, bob.text
+    alice_event, bob_event = (
+        AnalysisEvent.model_validate(alice.json()),
+        AnalysisEvent.model_validate(bob.json()),
+    )
+    assert (alice_event.source.partition, alice_event.source.offset) == (bob_event.source.partition, 0)
+    assert bob_event.source.offset == alice_event.source.offset  # the same coordinates, re-used
+    assert bob_event.event_id != alice_event.event_id
+    assert "Bob" in bob_event.analysis.core_viewpoint and "4111" not in bob.text
