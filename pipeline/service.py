@@ -99,6 +99,7 @@ class Service:
         self._fatal: BaseException | None = None
         self._paused = False
         self._committing: asyncio.Task[None] | None = None
+        self._close_left_s = settings.shutdown_close_s  # what the shutdown's `_bounded` steps have left
         self._watch: ClusterWatch | None = None
         self._reborn: set[str] = set()  # input topics created anew: read from their start when assigned
 
@@ -168,7 +169,6 @@ class Service:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Consumes until `stop` is set, then drains in-flight work, commits and closes."""
-        self._close_left_s = self.settings.shutdown_close_s  # what `_bounded` steps have left
         if not await _unless_stopped(stop, self._meet_broker()):
             log.info("stopped while waiting for Kafka")
             return
@@ -270,8 +270,9 @@ class Service:
                 if self._committing is None or self._committing.done():
                     self._committing = asyncio.create_task(self.commit())
                 last_commit = time.monotonic()
-        if self._committing is not None:
-            await self._bounded("committing", self._committing)
+        if self._committing is not None:  # the final commit after the drain supersedes it
+            self._committing.cancel()
+            await asyncio.gather(self._committing, return_exceptions=True)
 
     def _pause(self, full: bool) -> None:
         """Pauses fetching from every assigned partition while in-flight work is at its bound."""
