@@ -2,10 +2,10 @@
 
 Each consumed record ends as exactly one analysis event or one dead letter, published with
 acks=all; only then is it marked done in the `OffsetTracker`, and only contiguous done offsets
-are committed. Whatever a record holds, nothing about it stops the loop: any failure decoding,
-analysing or rendering it becomes its dead letter (`internal_error` when no other reason fits), a
-record the Kafka client cannot parse becomes an `unreadable_record` dead letter (`Fetcher`), and
-an answer the broker refuses (too large) is replaced by a small dead letter. Only a broker that
+are committed. Whatever a record holds, nothing about it stops the loop: `Answerer` turns any
+failure decoding, analysing or rendering it into its dead letter (`internal_error` when no other
+reason fits), a record the Kafka client cannot parse becomes an `unreadable_record` dead letter
+(`Fetcher`), and an answer the broker refuses (too large) is replaced by a small dead letter. Only a broker that
 keeps failing stops the service (the record stays uncommitted and is re-delivered after restart).
 
 Backpressure: at most `MAX_INFLIGHT` documents are between consume and answer; while that many
@@ -23,8 +23,6 @@ import contextlib
 import gc
 import logging
 import time
-from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
@@ -32,8 +30,9 @@ from aiokafka.errors import CommitFailedError, KafkaError
 from aiokafka.structs import ConsumerRecord, TopicPartition
 from opentelemetry import trace
 
-from pipeline.analyzer import AnalysisEngine, AnalysisFailed, Analyzer
-from pipeline.codec import Document, RawRecord, RecordError, dead_letter, decode_document
+from pipeline.analyzer import AnalysisEngine, Analyzer
+from pipeline.answering import Answerer, Counters
+from pipeline.codec import RawRecord
 from pipeline.fetch import Fetcher, Unreadable
 from pipeline.kafka import ensure_topics, make_consumer, make_producer, wait_for_broker
 from pipeline.metrics import Metrics, Snapshot
@@ -41,19 +40,11 @@ from pipeline.offsets import OffsetTracker
 from pipeline.publish import AnswerRejected, Publisher, PublishError
 from pipeline.settings import Settings
 from pipeline.status import status_report
-from pipeline.telemetry import Telemetry, current_trace_id, extract_context
+from pipeline.telemetry import Telemetry, extract_context
 from pipeline.watch import ClusterWatch
-from schemas import AnalysisEvent, DeadLetter, DeadLetterReason, EngineSettings, Timings
+from schemas import AnalysisEvent, DeadLetter, DeadLetterReason
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Counters:
-    consumed: int = 0
-    processed: int = 0  # analysis events published
-    failed: int = 0  # analyses that ended as dead letters
-    dead_lettered: int = 0  # every dead letter, malformed input included
 
 
 class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -90,6 +81,7 @@ class Service:
         self.start_offsets: dict[TopicPartition, int] = {}
         self.counters = Counters()
         self.metrics = Metrics(settings.otel_service_name, self.snapshot)
+        self.answerer = Answerer(settings, engine, self.analyzer, self.metrics, self.counters)
         self.started_at = time.time()
         self.is_ready = False
         self._preparing: asyncio.Task[None] | None = None
@@ -138,14 +130,6 @@ class Service:
             kv_used_bytes=stats.kv_used_bytes,
             kv_total_bytes=stats.kv_total_bytes,
             lag={(tp.topic, tp.partition): lag for tp, lag in self.lag().items()},
-        )
-
-    @property
-    def engine_settings(self) -> EngineSettings:
-        return EngineSettings(
-            dynamic_batching=self.settings.dynamic_batching,
-            kv_compression=self.settings.kv_compression,
-            max_batch_size=self.settings.max_batch_size,
         )
 
     @property
@@ -329,10 +313,7 @@ class Service:
         consumed_at: float,
         fetched: int,
     ) -> None:
-        if isinstance(record, Unreadable):
-            raw = RawRecord(record.topic, record.partition, record.offset, None, None, None)
-        else:
-            raw = RawRecord.of(record)
+        raw, refusal = self.answerer.read(record)
         attributes: dict[str, str | int] = {
             "messaging.system": "kafka",
             "messaging.operation.type": "process",
@@ -350,14 +331,7 @@ class Service:
             kind=trace.SpanKind.CONSUMER,
             attributes=attributes,
         ) as span:
-            if isinstance(record, Unreadable):
-                answer: AnalysisEvent | DeadLetter = self._dead_letter(
-                    raw,
-                    DeadLetterReason.UNREADABLE_RECORD,
-                    f"the Kafka client cannot parse it: {record.error}",
-                )
-            else:
-                answer = await self._answer(raw, consumed_at)
+            answer = await self.answerer.answer(raw, consumed_at, refusal)
             try:
                 answer = await self._deliver(raw, answer)
             except PublishError as exc:
@@ -384,7 +358,7 @@ class Service:
             log.warning("answer to %s[%d]@%d refused: %s", raw.topic, raw.partition, raw.offset, exc)
             if isinstance(answer, AnalysisEvent):
                 self.counters.failed += 1
-            small = self._dead_letter(
+            small = self.answerer.dead_letter(
                 raw,
                 DeadLetterReason.ANSWER_REJECTED,
                 str(exc),
@@ -401,84 +375,6 @@ class Service:
             ) from exc
         return small
 
-    def _dead_letter(
-        self,
-        raw: RawRecord,
-        reason: DeadLetterReason,
-        message: str,
-        *,
-        keep_value: bool = True,
-        **details: Any,
-    ) -> DeadLetter:
-        return dead_letter(
-            raw,
-            reason=reason,
-            message=message,
-            trace_id=current_trace_id(),
-            max_value_bytes=self.settings.dead_letter_max_value_bytes if keep_value else 0,
-            max_message_bytes=self.settings.max_message_bytes,
-            **details,
-        )
-
-    async def _answer(self, raw: RawRecord, consumed_at: float) -> AnalysisEvent | DeadLetter:
-        """The record's analysis, or its dead letter; never raises (but for cancellation)."""
-        where = f"{raw.topic}[{raw.partition}]@{raw.offset}"
-        try:
-            document = decode_document(
-                raw,
-                default_kind=self.settings.input_topics[raw.topic],
-                max_chars=self.settings.max_document_chars,
-            )
-        except RecordError as exc:
-            log.info("dead letter %s: %s", where, exc.reason.value)
-            return self._dead_letter(raw, exc.reason, str(exc))
-        except Exception as exc:  # a record that breaks the decoder is still answered
-            log.exception("decoding %s failed unexpectedly", where)
-            return self._dead_letter(raw, DeadLetterReason.INTERNAL_ERROR, f"decoding failed: {_brief(exc)}")
-        try:
-            return await self._analyze(document, consumed_at)
-        except AnalysisFailed as exc:
-            self.counters.failed += 1
-            return self._dead_letter(
-                raw,
-                exc.reason,
-                str(exc),
-                attempts=exc.attempts,
-                document_id=document.document_id,
-                raw_model_output=exc.raw_output,
-            )
-        except Exception as exc:  # a bug must not stop the loop: the record still gets its answer
-            log.exception("analysis of %s failed unexpectedly", where)
-            self.counters.failed += 1
-            return self._dead_letter(
-                raw, DeadLetterReason.INTERNAL_ERROR, _brief(exc), document_id=document.document_id
-            )
-
-    async def _analyze(self, document: Document, consumed_at: float) -> AnalysisEvent:
-        outcome = await self.analyzer.analyze(document, consumed_at)
-        self.metrics.ttft.record(outcome.ttft_s, {"kind": document.kind.value})
-        self.metrics.batch_size.record(outcome.batch_size)
-        return AnalysisEvent(
-            event_id=document.event_id,
-            document_id=document.document_id,
-            kind=document.kind,
-            language=document.language,
-            analysis=outcome.analysis,
-            model=self.engine.model_id,
-            timings=Timings(
-                queued_ms=round(outcome.queued_s * 1000, 1),
-                time_to_first_token_ms=round(outcome.ttft_s * 1000, 1),
-                total_ms=round((time.perf_counter() - consumed_at) * 1000, 1),
-                prompt_tokens=outcome.prompt_tokens,
-                output_tokens=outcome.output_tokens,
-                attempts=outcome.attempts,
-            ),
-            engine=self.engine_settings,
-            source=document.source,
-            trace_id=current_trace_id(),
-            created_at=datetime.now(UTC),
-        )
-
     async def _publish(self, answer: AnalysisEvent | DeadLetter) -> None:
         if self._publisher is None:
             raise RuntimeError("publish before start")
@@ -487,10 +383,6 @@ class Service:
             self.counters.processed += 1
         else:
             self.counters.dead_lettered += 1
-
-
-def _brief(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"[:500]
 
 
 async def _unless_stopped(stop: asyncio.Event, step: Any) -> bool:
