@@ -5,8 +5,9 @@ acks=all; only then is it marked done in the `OffsetTracker`, and only contiguou
 are committed. Whatever a record holds, nothing about it stops the loop: `Answerer` turns any
 failure decoding, analysing or rendering it into its dead letter (`internal_error` when no other
 reason fits), a record the Kafka client cannot parse becomes an `unreadable_record` dead letter
-(`Fetcher`), and an answer the broker refuses (too large) is replaced by a small dead letter. Only a broker that
-keeps failing stops the service (the record stays uncommitted and is re-delivered after restart).
+(`Fetcher`), and an answer the broker refuses (too large) is replaced by a small dead letter.
+Only a broker that keeps failing stops the service (the record stays uncommitted and is
+re-delivered after restart).
 
 Backpressure: at most `MAX_INFLIGHT` documents are between consume and answer; while that many
 are, fetching from every assigned partition is paused (nothing piles up in the client either).
