@@ -619,34 +619,18 @@ def test_docker_compose_config_accepts_the_file(tmp_path: Path) -> None:
     env["HTTP_TOKEN"] = "0123456789abcdef0123"  # noqa: S105 (a stand-in)
     without_model_dir = {k: v for k, v in env.items() if k != "MODEL_DIR"}
     without_token = {**{k: v for k, v in env.items() if k != "HTTP_TOKEN"}, "MODEL_DIR": str(tmp_path)}
-    missing_token = subprocess.run(
-        [*command, "-f", str(COMPOSE), "config", "--quiet"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        env=without_token,
-    )
+
+    def config(env: dict[str, str], *options: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*command, "-f", str(COMPOSE), "config", *options],
+            capture_output=True, text=True, timeout=60, check=False, env=env,
+        )  # fmt: skip
+
+    missing_token = config(without_token, "--quiet")
     assert missing_token.returncode != 0 and "HTTP_TOKEN" in missing_token.stderr, "HTTP_TOKEN is required"
-
-    missing = subprocess.run(
-        [*command, "-f", str(COMPOSE), "config", "--quiet"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        env=without_model_dir,
-    )
+    missing = config(without_model_dir, "--quiet")
     assert missing.returncode != 0 and "MODEL_DIR" in missing.stderr, "MODEL_DIR should be required"
-
-    out = subprocess.run(
-        [*command, "-f", str(COMPOSE), "config", "--format", "json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        env={**env, "MODEL_DIR": str(tmp_path)},
-    )
+    out = config({**env, "MODEL_DIR": str(tmp_path)}, "--format", "json")
     assert out.returncode == 0, out.stderr
     rendered = json.loads(out.stdout)
     for name, port in _iter_ports(rendered):
