@@ -76,5 +76,5 @@ def _cluster(service: Service) -> dict[str, Any] | None:
         "reachable": view.reachable,
         "partitions": dict(sorted(view.partitions.items())),
         "problems": view.problems,
-        "recreated_topics": list(view.recreated),
+        "recreated_topics": sorted(view.recreated),
     }

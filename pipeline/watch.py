@@ -36,7 +36,7 @@ class ClusterView:
     partitions: dict[str, int] = field(default_factory=dict)  # topic -> partitions, as last seen
     expected: dict[str, int] = field(default_factory=dict)  # topic -> partitions, as first seen
     lag: dict[TopicPartition, int] = field(default_factory=dict)  # every input partition
-    recreated: list[str] = field(default_factory=list)  # topics found missing and created again
+    recreated: set[str] = field(default_factory=set)  # topics found missing and created again (each once)
 
     @property
     def problems(self) -> list[str]:
@@ -91,7 +91,7 @@ class ClusterWatch:
         if missing:
             log.warning("topics %s are gone (broker restarted, or deleted); creating them again", missing)
             await ensure_topics(self.settings, missing)
-            view.recreated += missing
+            view.recreated.update(missing)
             if self.on_recreated is not None:
                 await self.on_recreated(missing)
             seen = await self._partitions()
