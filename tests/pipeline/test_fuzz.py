@@ -15,12 +15,11 @@ import json
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaProducer
-from aiokafka.structs import TopicPartition
 from hypothesis import HealthCheck, given
 from hypothesis import settings as settings_
 from hypothesis import strategies as st
@@ -33,7 +32,7 @@ from pipeline.telemetry import Telemetry
 from schemas import AnalysisEvent, DeadLetter, DeadLetterReason, event_id_for
 from tests.pipeline.fakes import ScriptedEngine
 from tests.pipeline.poison_producer import publish_unparsable
-from tests.pipeline.test_service import committed_offsets
+from tests.pipeline.test_service import _sent_of, committed_offsets, partition_ends
 
 pytestmark = pytest.mark.integration
 
@@ -156,7 +155,7 @@ async def test_a_thousand_malformed_records_never_crash_the_worker_and_lose_noth
         await asyncio.sleep(1.0)  # the last commit
         # Every partition's commit moved past its last record (the embedded broker's own end
         # offsets are unreliable: the answers say where each record lay).
-        ends = _ends(a[0] for a in answers.values())
+        ends = partition_ends([_sent_of(a[0]) for a in answers.values()])
         assert await committed_offsets(settings, set(ends)) == ends
 
     assert set(answers) == set(originals) | unparsable  # every record answered
@@ -191,15 +190,6 @@ async def test_a_thousand_malformed_records_never_crash_the_worker_and_lose_noth
     logged = "\n".join(r.getMessage() for r in caplog.records if r.levelno >= logging.INFO)
     assert "arrived broken" not in logged and "退款" not in logged
     assert not any(injection[:30] in logged for injection in INJECTIONS)
-
-
-def _ends(answers: Iterable[AnalysisEvent | DeadLetter]) -> dict[TopicPartition, int]:
-    """One past the last offset answered, per partition."""
-    ends: dict[TopicPartition, int] = {}
-    for answer in answers:
-        tp = TopicPartition(answer.source.topic, answer.source.partition)
-        ends[tp] = max(ends.get(tp, 0), answer.source.offset + 1)
-    return ends
 
 
 JSON_VALUES = st.recursive(
@@ -290,9 +280,7 @@ async def test_whatever_a_record_holds_it_ends_as_one_answer_within_the_limit_an
         assert len(answer.model_dump_json().encode()) <= settings.max_message_bytes
         if isinstance(answer, DeadLetter):
             assert answer.error_message
-    ends: dict[TopicPartition, int] = {}
-    for meta in sent.values():
-        ends[meta.topic_partition] = max(ends.get(meta.topic_partition, 0), meta.offset + 1)
+    ends = partition_ends([_sent_of(answers[event_id][0]) for event_id in sent])
     for _ in range(50):  # commits follow answers within a commit interval or two
         committed = await committed_offsets(settings, set(ends))
         if all((committed[tp] or 0) >= end for tp, end in ends.items()):
