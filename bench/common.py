@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 
 def parser(doc: str | None) -> argparse.ArgumentParser:
-    """An argument parser with `--model` (default: MODEL_PATH, else the bundled default model)."""
+    """An argument parser with `--model` (default: MODEL_PATH, else the bundled MODEL)."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=None, help="a local Hugging Face model folder")
     return p

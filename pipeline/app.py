@@ -16,7 +16,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from engine import Engine, EngineConfig
 from engine.loader import select_device
 from engine.selftest import self_test
-from engine.weights import default_model_folder, is_prepared, prepare_default_model
+from engine.weights import MODELS, is_prepared, model_folder, prepare_model
 from pipeline.answers import AnswerHub
 from pipeline.http import serve_status
 from pipeline.http_guard import HttpGuard
@@ -29,8 +29,8 @@ log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
-def _progress_bar() -> Iterator[Callable[[int, int], None]]:
-    columns = (TextColumn("reassembling + verifying the default model"), BarColumn(), DownloadColumn())
+def _progress_bar(name: str) -> Iterator[Callable[[int, int], None]]:
+    columns = (TextColumn(f"reassembling + verifying the {name} model"), BarColumn(), DownloadColumn())
     with Progress(*columns, TimeRemainingColumn(), transient=False) as progress:
         task = progress.add_task("model", total=None)
 
@@ -41,13 +41,14 @@ def _progress_bar() -> Iterator[Callable[[int, int], None]]:
 
 
 def resolve_model_path(settings: Settings) -> Path:
-    """MODEL_PATH, or the default model (converted on first use, with a progress bar)."""
+    """MODEL_PATH, or the bundled MODEL (converted on first use, with a progress bar)."""
     if settings.model_path is not None:
         return settings.model_path
-    if is_prepared(folder := default_model_folder(settings.model_cache_dir)):
+    model = MODELS[settings.model]
+    if is_prepared(folder := model_folder(model, settings.model_cache_dir), model):
         return folder
-    with _progress_bar() as progress:
-        return prepare_default_model(settings.model_cache_dir, progress)
+    with _progress_bar(model.name) as progress:
+        return prepare_model(model.name, settings.model_cache_dir, progress)
 
 
 def engine_config(settings: Settings, model_path: Path) -> EngineConfig:

@@ -65,7 +65,13 @@ class Settings(BaseSettings):
     )
 
     # Model and engine: the article's three switches, plus where the model lives.
-    model_path: Path | None = None  # None: the bundled default model, converted once into the cache
+    model_path: Path | None = None  # None: the bundled MODEL, converted once into the cache
+    # The bundled models of `engine.weights.MODELS` (listed here so that reading the settings does
+    # not import torch; a test keeps the two lists equal). MODEL_PATH, when set, wins.
+    model: Literal["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"] = Field(
+        default="qwen2.5-coder-0.5b",
+        description="Bundled model when MODEL_PATH is unset; qwen2.5-coder-1.5b needs `make model-large`.",
+    )
     model_cache_dir: Path = Field(default_factory=default_cache_dir)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
