@@ -134,15 +134,16 @@ class BlockManager:
         self._free.move_to_end(hot, last=False)
         return cold
 
-    def adopt_prefix(self, seq_id: int, token_ids: Sequence[int]) -> int:
+    def adopt_prefix(self, seq_id: int, token_ids: Sequence[int], keys: list[bytes] | None = None) -> int:
         """Gives a sequence without blocks the cached blocks of its longest known prefix.
 
         Returns the number of tokens whose keys and values are thereby already computed. At least
-        one token is always left to compute: its logits give the sequence's next token.
+        one token is always left to compute: its logits give the sequence's next token. `keys`,
+        if given, is the sequence's memo of its block keys (see `prefix_keys`).
         """
         if self.table(seq_id):
             return 0
-        found = self._known_prefix(token_ids)
+        found = self._known_prefix(token_ids, keys)
         if not found:
             return 0
         for _, block in found:
@@ -154,17 +155,27 @@ class BlockManager:
         self.num_cache_hits += len(found)
         return len(found) * self.block_size
 
-    def cached_prefix(self, token_ids: Sequence[int]) -> int:
+    def cached_prefix(self, token_ids: Sequence[int], keys: list[bytes] | None = None) -> int:
         """How many tokens `adopt_prefix` would find computed now (it changes nothing)."""
-        return len(self._known_prefix(token_ids)) * self.block_size
+        return len(self._known_prefix(token_ids, keys)) * self.block_size
 
-    def _known_prefix(self, token_ids: Sequence[int]) -> list[tuple[bytes, int]]:
+    def prefix_keys(self, token_ids: Sequence[int], keys: list[bytes]) -> list[bytes]:
+        """The keys of the full blocks before the last token, extending the memo `keys` in place.
+
+        A waiting sequence is looked up every step while it waits; hashing its whole prompt each
+        time made scheduling cost grow with the queue times the prompt length. Its tokens only
+        ever grow, so the keys computed once stay right."""
+        size = self.block_size
+        count = (len(token_ids) - 1) // size
+        for i in range(len(keys), count):
+            keys.append(_block_key(keys[-1] if keys else b"", token_ids[i * size : (i + 1) * size]))
+        return keys[:count]
+
+    def _known_prefix(self, token_ids: Sequence[int], keys: list[bytes] | None) -> list[tuple[bytes, int]]:
         if not self.prefix_caching:
             return []
         found: list[tuple[bytes, int]] = []
-        key = b""
-        for i in range((len(token_ids) - 1) // self.block_size):
-            key = _block_key(key, token_ids[i * self.block_size : (i + 1) * self.block_size])
+        for key in self.prefix_keys(token_ids, [] if keys is None else keys):
             block = self._cached.get(key)
             if block is None:
                 break

@@ -155,7 +155,7 @@ class Scheduler:
                 self.waiting.remove(seq)
                 seq.status = Status.RUNNING
                 self.running.append(seq)
-                seq.num_computed = self.blocks.adopt_prefix(seq.seq_id, seq.token_ids)
+                seq.num_computed = self.blocks.adopt_prefix(seq.seq_id, seq.token_ids, seq.prefix_keys)
                 n = min(seq.num_pending, budget, self._room(seq))
                 if n <= 0:
                     break
@@ -189,7 +189,7 @@ class Scheduler:
     def _to_compute(self, seq: Sequence) -> int:
         """Prompt tokens left to run; a waiting sequence's cached prefix does not count."""
         if seq.status is Status.WAITING:
-            return seq.num_pending - self.blocks.cached_prefix(seq.token_ids)
+            return seq.num_pending - self.blocks.cached_prefix(seq.token_ids, seq.prefix_keys)
         return seq.num_pending
 
     def settle(self) -> list[tuple[int, int]]:

@@ -32,6 +32,7 @@ class Sequence:
     deferred_at: int = -1  # the scheduler plan in which its prompt chunk last gave way to a newcomer
     matcher: Any = None  # xgrammar GrammarMatcher, created on the runner thread on first use
     generator: torch.Generator | None = field(default=None, repr=False)
+    prefix_keys: list[bytes] = field(default_factory=list, repr=False)  # its block keys, memoised
     final_text: str | None = None  # set when a stop string ended the sequence: the text before it
 
     @classmethod
