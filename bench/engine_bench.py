@@ -112,7 +112,7 @@ def in_child(args: Any, variants: str, scenarios: str, isolation: bool) -> dict[
             options += ["--layers", str(args.layers)] if args.layers is not None else []
         else:
             options += ["--model", str(args.model)]
-        subprocess.run(  # noqa: S603 (this interpreter, this module)
+        subprocess.run(
             [sys.executable, "-m", "bench.engine_bench", "--no-isolate", "--part", "--variants", variants,
              "--scenarios", scenarios, "--ttft-isolation" if isolation else "--no-ttft-isolation",
              "--out", str(out), *options],
@@ -123,7 +123,7 @@ def in_child(args: Any, variants: str, scenarios: str, isolation: bool) -> dict[
 
 def main() -> None:
     parser = common.parser(__doc__)
-    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
     parser.add_argument("--docs", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--max-batch", type=int, default=32)

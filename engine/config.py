@@ -8,7 +8,7 @@ from typing import Literal
 
 Device = Literal["auto", "cpu", "cuda"]
 PrunePolicy = Literal["attention", "heuristic"]
-DType = Literal["bfloat16", "float32"]
+DType = Literal["auto", "bfloat16", "float32"]  # auto: bf16 where computed natively, else fp32
 KVKernel = Literal["auto", "torch"]
 
 
@@ -16,7 +16,7 @@ KVKernel = Literal["auto", "torch"]
 class EngineConfig:
     model_path: Path
     device: Device = "auto"
-    dtype: DType = "bfloat16"
+    dtype: DType = "auto"
     dynamic_batching: bool = False  # False: one request at a time (the article's "static batch=1")
     max_batch_size: int = 8
     batch_window_ms: float = 150.0  # how long the first waiting request may wait for others to join

@@ -235,6 +235,46 @@ class Engine:
             handle.cancel()
             raise
 
+    async def score(self, prompt_ids: Seq[int], continuations: Seq[str]) -> list[float]:
+        """A choice among labels, scored by the model's own distribution: for each continuation of
+        the prompt, the log-probability of its tokens up to the first one that tells it apart from
+        every other continuation (all of them, for one that begins another). The choice the model
+        would make token by token between the options is decided there; what follows is spelling.
+
+        One request reads the prompt and yields the first token's distribution, which scores every
+        continuation told apart by its first token; the others are teacher-forced on in requests of
+        their own, which find the prompt's blocks in the prefix cache and compute only the rest."""
+        encoded = [self.tokenizer.encode(text, add_special_tokens=False) for text in continuations]
+        if any(not ids for ids in encoded):
+            raise EngineError("cannot score an empty continuation")
+        needed = [_distinguishing_length(ids, encoded) for ids in encoded]
+        first: list[torch.Tensor] = []
+        await self._observe(prompt_ids, SamplingParams(max_new_tokens=1), first)
+        firsts = torch.log_softmax(first[0], dim=-1)
+        scores = [float(firsts[ids[0]]) for ids in encoded]
+        longer = [i for i, n in enumerate(needed) if n > 1]
+        rows = await asyncio.gather(*(self._forced(prompt_ids, encoded[i][: needed[i]]) for i in longer))
+        for i, rest in zip(longer, rows, strict=True):
+            scores[i] += rest
+        return scores
+
+    async def _forced(self, prompt_ids: Seq[int], ids: list[int]) -> float:
+        """Log-probability of ids[1:] after prompt + ids[0] (the first token is scored apart)."""
+        rows: list[torch.Tensor] = []
+        forced = SamplingParams(max_new_tokens=len(ids) - 1, forced_ids=tuple(ids[1:]), ignore_eos=True)
+        await self._observe([*prompt_ids, ids[0]], forced, rows)
+        return sum(
+            float(torch.log_softmax(row, dim=-1)[token]) for row, token in zip(rows, ids[1:], strict=True)
+        )
+
+    async def _observe(self, prompt_ids: Seq[int], params: SamplingParams, rows: list[torch.Tensor]) -> None:
+        handle = self.submit(prompt_ids, params, lambda logits: rows.append(logits.float().cpu().clone()))
+        try:
+            await handle.result()
+        except asyncio.CancelledError:
+            handle.cancel()
+            raise
+
     def stats(self) -> EngineStats:
         bytes_per_block = self.cache.bytes_per_block
         cold = self.cache.cold
@@ -381,6 +421,16 @@ class Engine:
         self._num_tokens += seq.num_output
         text = seq.final_text if seq.final_text is not None else self.decode(seq.output_ids)
         seq.request.finish(reason or "stop", text, time.perf_counter())
+
+
+def _distinguishing_length(ids: list[int], everyone: list[list[int]]) -> int:
+    """Tokens of `ids` up to the first that no other sequence shares at that place (all of
+    them when another sequence begins with `ids`)."""
+    others = [o for o in everyone if o is not ids]
+    for n in range(1, len(ids) + 1):
+        if not any(o[:n] == ids[:n] for o in others):
+            return n
+    return len(ids)
 
 
 def _eos_ids(loaded: LoadedModel) -> frozenset[int]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -73,12 +74,31 @@ def check_model_folder(path: Path) -> dict[str, Any]:
     return config
 
 
-def load_model(path: Path, device: Device = "auto", dtype: DType = "bfloat16") -> LoadedModel:
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX). Without it torch emulates
+    bf16 matrix products, about 6x slower than fp32 on an AVX2 EPYC (measured 2026-12-01)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
+    return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))
+
+
+def select_dtype(dtype: DType, device: torch.device) -> torch.dtype:
+    """`auto`: bf16 on CUDA and on CPUs with native bf16, fp32 elsewhere."""
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device.type == "cuda" or cpu_has_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+def load_model(path: Path, device: Device = "auto", dtype: DType = "auto") -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     check_model_folder(path)
     target = select_device(device)
-    torch_dtype = _DTYPES[dtype]
+    torch_dtype = select_dtype(dtype, target)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
@@ -89,5 +109,5 @@ def load_model(path: Path, device: Device = "auto", dtype: DType = "bfloat16") -
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model_id = str(getattr(model.config, "_name_or_path", "") or path.name)
-    log.info("loaded model %s on %s in %s", path.name, target, dtype)
+    log.info("loaded model %s on %s in %s", path.name, target, str(torch_dtype).removeprefix("torch."))
     return LoadedModel(model, tokenizer, model_id=Path(model_id).name, device=target, dtype=torch_dtype)

@@ -1,13 +1,23 @@
-"""One document -> one validated analysis: render the prompt, generate, parse, repair once.
+"""One document -> one validated analysis, in three moves:
 
-Owns the analysis spans (`analyze`, with `queue_wait` and `generate` children carrying `gen_ai.*`
-attributes). Talks to the engine only through `AnalysisEngine`, so a stand-in engine can serve
-delivery tests.
+1. screen: instruction-like sentences are withheld from the model and flagged (`prompts.injection`);
+2. label: polarity, doubt, expectation and, for complaints, category and urgency are one-word
+   questions whose allowed answers the engine scores with the model's own probabilities
+   (`AnalysisEngine.score`); polarity is calibrated against content-free inputs, neutral is
+   decided by its own question; the safety floor and the escalation rule apply (`pipeline.triage`);
+3. write: the narrative (viewpoint, key information, rationale for the decided polarity) is
+   generated under its JSON Schema, cleaned by the hygiene rules, repaired once if need be.
+
+Owns the analysis spans (`analyze`, with `label`, `queue_wait` and `generate` children carrying
+`gen_ai.*` attributes). Talks to the engine only through `AnalysisEngine`, so a stand-in engine can
+serve delivery tests.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,8 +27,31 @@ from opentelemetry import trace
 
 from engine import EngineError, EngineStats, GenerationResult, SamplingParams
 from pipeline.codec import Document
-from prompts import AnalysisParseError, Prompt, parse_analysis, render, render_repair
-from schemas import Analysis, DeadLetterReason, DocumentKind, Language, analysis_json_schema
+from pipeline.triage import apply_floor, safety_signals
+from prompts import (
+    AnalysisParseError,
+    Prompt,
+    Question,
+    parse_narrative,
+    questions,
+    render,
+    render_repair,
+    screen,
+)
+from prompts.render import CONTENT_FREE
+from schemas import (
+    Analysis,
+    Category,
+    DeadLetterReason,
+    DocumentKind,
+    Language,
+    Narrative,
+    Polarity,
+    Sentiment,
+    Triage,
+    Urgency,
+    narrative_json_schema,
+)
 
 
 class AnalysisEngine(Protocol):
@@ -32,6 +65,8 @@ class AnalysisEngine(Protocol):
     async def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams | None = None
     ) -> GenerationResult: ...
+
+    async def score(self, prompt_ids: Sequence[int], continuations: Sequence[str]) -> list[float]: ...
 
     def stats(self) -> EngineStats: ...
 
@@ -57,6 +92,30 @@ class AnalysisFailed(Exception):
         self.attempts = attempts
 
 
+@dataclass(frozen=True)
+class Labels:
+    """The decided labels and the probabilities they were decided with."""
+
+    polarity: Polarity
+    confidence: float
+    doubt: bool
+    expectation: bool
+    category: Category | None
+    urgency: Urgency | None
+
+
+def choose(question: Question, logprobs: Sequence[float], prior: Sequence[float] | None) -> tuple[str, float]:
+    """The value whose option the model finds most likely, and its probability among the options
+    (after dividing out `prior`, the model's preference without content, when given)."""
+    scores = list(logprobs)
+    if prior is not None:
+        scores = [s - math.log(max(p, 1e-9)) for s, p in zip(scores, prior, strict=True)]
+    top = max(scores)
+    weights = [math.exp(s - top) for s in scores]
+    best = max(range(len(scores)), key=scores.__getitem__)
+    return question.values[best], weights[best] / sum(weights)
+
+
 class Analyzer:
     def __init__(
         self, engine: AnalysisEngine, tracer: trace.Tracer, *, max_new_tokens: int, attempts: int
@@ -64,24 +123,81 @@ class Analyzer:
         self.engine = engine
         self.tracer = tracer
         self.params = {
-            (kind, language): SamplingParams(
-                max_new_tokens=max_new_tokens, json_schema=json.dumps(analysis_json_schema(kind, language))
+            language: SamplingParams(
+                max_new_tokens=max_new_tokens, json_schema=json.dumps(narrative_json_schema(language))
             )
-            for kind in DocumentKind
             for language in Language
         }
         self.max_new_tokens = max_new_tokens
         self.attempts = attempts
+        # Per (kind, language, question): the option probabilities on content-free inputs.
+        self._priors: dict[tuple[DocumentKind, Language, str], asyncio.Future[list[float]]] = {}
 
     async def prepare(self) -> None:
-        """Compiles every kind x language grammar ahead of the first documents, one at a time
-        (each takes seconds; a document whose grammar is not ready yet waits for it)."""
+        """Compiles each language's grammar and measures the calibration priors ahead of the
+        first documents, one at a time (a grammar takes seconds; a document whose grammar is not
+        ready yet waits for it)."""
         for params in self.params.values():
             if params.json_schema is not None:
                 await self.engine.prepare(params.json_schema)
+        for kind in DocumentKind:
+            for language in Language:
+                for question in questions(kind, language, ""):
+                    if question.calibrate:
+                        await self._prior(kind, language, question.name)
+
+    async def _prior(self, kind: DocumentKind, language: Language, name: str) -> list[float]:
+        key = (kind, language, name)
+        if key not in self._priors:
+            future = self._priors[key] = asyncio.get_running_loop().create_future()
+            try:
+                rows = []
+                for text in CONTENT_FREE:
+                    question = next(q for q in questions(kind, language, text) if q.name == name)
+                    rows.append(await self._score(question))
+                future.set_result(
+                    [sum(math.exp(r[i]) for r in rows) / len(rows) for i in range(len(rows[0]))]
+                )
+            except BaseException as exc:
+                del self._priors[key]
+                future.set_exception(exc)
+                raise
+        return await asyncio.shield(self._priors[key])
+
+    async def _score(self, question: Question) -> list[float]:
+        try:
+            return await self.engine.score(
+                self.engine.format_chat(question.prompt.messages), question.options
+            )
+        except EngineError as exc:
+            raise AnalysisFailed(DeadLetterReason.GENERATION_FAILED, str(exc), None, 1) from exc
+
+    async def label(self, kind: DocumentKind, language: Language, text: str) -> Labels:
+        """The labels of a (screened) document: polarity first, whose prompt's blocks the other
+        questions then find in the engine's prefix cache."""
+        asked = {q.name: q for q in questions(kind, language, text)}
+        first = await self._score(asked["polarity"])
+        names = [n for n in asked if n != "polarity"]
+        rest = await asyncio.gather(*(self._score(asked[n]) for n in names))
+        scores = {"polarity": first, **dict(zip(names, rest, strict=True))}
+        prior = await self._prior(kind, language, "polarity")
+        side, confidence = choose(asked["polarity"], scores["polarity"], prior)
+        attitude, attitude_p = choose(asked["attitude"], scores["attitude"], None)
+        polarity = Polarity(side) if attitude == "true" else Polarity.NEUTRAL
+        if polarity is Polarity.NEUTRAL:
+            confidence = attitude_p
+        pick = {n: choose(asked[n], scores[n], None)[0] for n in names if n != "attitude"}
+        return Labels(
+            polarity,
+            round(confidence, 4),
+            pick["doubt"] == "true",
+            pick["expectation"] == "true",
+            Category(pick["category"]) if "category" in pick else None,
+            Urgency(pick["urgency"]) if "urgency" in pick else None,
+        )
 
     async def analyze(self, document: Document, consumed_at: float) -> AnalysisOutcome:
-        prompt = render(document.kind, document.language, document.text)
+        screened = screen(document.text, document.language)
         prompt_tokens = output_tokens = batch_size = 0
         first: tuple[float, float] | None = None
         raw: str | None = None
@@ -95,12 +211,20 @@ class Analyzer:
                     "deepanalyze.document.kind": document.kind.value,
                     "deepanalyze.document.language": document.language.value,
                     "deepanalyze.document.chars": len(document.text),
+                    "deepanalyze.suspected_injection": screened.suspected,
                 }
             )
-            for attempt in range(1, self.attempts + 1):
-                result, submitted = await self._generate(
-                    prompt, self.params[document.kind, document.language], attempt
+            with self.tracer.start_as_current_span("label") as label_span:
+                labels = await self.label(document.kind, document.language, screened.text)
+                label_span.set_attributes(
+                    {
+                        "deepanalyze.polarity": labels.polarity.value,
+                        "deepanalyze.polarity.confidence": labels.confidence,
+                    }
                 )
+            prompt = render(document.kind, document.language, screened.text, labels.polarity)
+            for attempt in range(1, self.attempts + 1):
+                result, submitted = await self._generate(prompt, self.params[document.language], attempt)
                 prompt_tokens += result.prompt_tokens
                 output_tokens += result.output_tokens
                 batch_size = max(batch_size, result.batch_size)
@@ -109,7 +233,7 @@ class Analyzer:
                     first = (lag + result.queued_s, lag + result.ttft_s)
                 raw = result.text
                 try:
-                    analysis = parse_analysis(raw, document.kind)
+                    narrative = parse_narrative(raw, document.language, screened.text)
                 except AnalysisParseError as exc:
                     span.add_event("invalid_output", {"attempt": attempt, "error": str(exc)[:500]})
                     if attempt == self.attempts:
@@ -126,8 +250,37 @@ class Analyzer:
                         "deepanalyze.attempts": attempt,
                     }
                 )
+                analysis = self.assemble(document, narrative, labels, screened.excerpts)
                 return AnalysisOutcome(analysis, attempt, prompt_tokens, output_tokens, *first, batch_size)
         raise AssertionError("unreachable: attempts >= 1")  # pragma: no cover
+
+    @staticmethod
+    def assemble(
+        document: Document, narrative: Narrative, labels: Labels, excerpts: Sequence[str]
+    ) -> Analysis:
+        """The analysis: the model's narrative and labels, the safety floor over the whole text."""
+        triage = None
+        if document.kind is DocumentKind.COMPLAINT:
+            draft = Triage(
+                urgency=labels.urgency or Urgency.MEDIUM,
+                category=labels.category or Category.OTHER,
+                escalate=False,
+            )
+            triage = apply_floor(draft, safety_signals(document.text, document.language))
+        return Analysis(
+            core_viewpoint=narrative.core_viewpoint,
+            key_information=narrative.key_information,
+            sentiment=Sentiment(
+                polarity=labels.polarity,
+                implies_doubt=labels.doubt,
+                implies_expectation=labels.expectation,
+                rationale=narrative.rationale,
+                confidence=labels.confidence,
+            ),
+            triage=triage,
+            suspected_injection=bool(excerpts),
+            injection_excerpts=list(excerpts[:8]),
+        )
 
     async def _generate(
         self, prompt: Prompt, params: SamplingParams, attempt: int

@@ -8,6 +8,7 @@ from rich.table import Table
 from rich.text import Text
 
 from schemas import AnalysisEvent, DeadLetter, Language
+from schemas.taxonomy import category_label
 
 _LABELS = {
     Language.ZH: {
@@ -54,6 +55,7 @@ def render_event(event: AnalysisEvent) -> RenderableType:
             (sentiment.polarity.value, f"bold {_POLARITY_STYLE[sentiment.polarity.value]}"),
             f"   doubt 质疑: {'yes' if sentiment.implies_doubt else 'no'}",
             f"   expectation 期待: {'yes' if sentiment.implies_expectation else 'no'}",
+            f"   confidence: {sentiment.confidence:.2f}" if sentiment.confidence is not None else "",
         ),
         Text(f"  {sentiment.rationale}", style="italic"),
     ]
@@ -62,10 +64,15 @@ def render_event(event: AnalysisEvent) -> RenderableType:
         parts += [
             Text(f"4. {labels['triage']}", style="bold magenta"),
             Text(
-                f"  urgency: {triage.urgency.value}   category: {triage.category}   "
+                f"  urgency: {triage.urgency.value}   category: {triage.category.value} "
+                f"({category_label(triage.category, event.language.value)})   "
                 f"escalate: {'YES' if triage.escalate else 'no'}"
+                + (f"   safety signals: {', '.join(triage.safety_signals)}" if triage.safety_signals else "")
             ),
         ]
+    if analysis.suspected_injection:
+        parts.append(Text("  ⚠ suspected injection, withheld from the model:", style="bold red"))
+        parts.append(_bullets(analysis.injection_excerpts))
     t = event.timings
     parts.append(
         Text(

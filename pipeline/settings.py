@@ -74,7 +74,7 @@ class Settings(BaseSettings):
     )
     model_cache_dir: Path = Field(default_factory=default_cache_dir)
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"  # auto: bf16 on GPU / bf16 CPUs, else fp32
     dynamic_batching: bool = False
     kv_compression: bool = False
     kv_quant_bits: int = Field(default=8, description="4, 8, or 16 (no quantisation).")

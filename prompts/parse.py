@@ -11,7 +11,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from schemas import Analysis, DocumentKind
+from prompts.hygiene import foreign_words, is_label_viewpoint, sort_layers, trim_cut
+from schemas import ANSWER_BOUNDS, Analysis, DocumentKind, Language, Narrative
 
 
 class AnalysisParseError(ValueError):
@@ -52,6 +53,12 @@ def _normalise(value: Any) -> Any:
     return value
 
 
+def _problems(exc: ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(str(p) for p in err['loc']) or '(root)'}: {err['msg']}" for err in exc.errors()
+    )
+
+
 def parse_analysis(raw: str, kind: DocumentKind) -> Analysis:
     value = _normalise(_first_json_object(raw))
     if not isinstance(value, dict):
@@ -61,10 +68,46 @@ def parse_analysis(raw: str, kind: DocumentKind) -> Analysis:
     try:
         analysis = Analysis.model_validate(value)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or '(root)'}: {err['msg']}" for err in exc.errors()
-        )
-        raise AnalysisParseError(f"schema violation: {problems}", raw) from exc
+        raise AnalysisParseError(f"schema violation: {_problems(exc)}", raw) from exc
     if kind is DocumentKind.COMPLAINT and analysis.triage is None:
         raise AnalysisParseError("schema violation: triage: required for complaints", raw)
     return analysis
+
+
+def parse_narrative(raw: str, language: Language, document: str) -> Narrative:
+    """The model's narrative, cleaned by the hygiene rules (`prompts.hygiene`): fields that ran
+    into their bound trimmed to a word boundary; filler, repeated and foreign-language items
+    dropped; data without a figure moved to facts. Refused (for the repair attempt) when the
+    viewpoint or the rationale is a label or mixes languages, which no trimming can fix."""
+    value = _first_json_object(raw)
+    if not isinstance(value, dict):
+        raise AnalysisParseError("the JSON value is not an object", raw)
+    bounds = ANSWER_BOUNDS[language]
+    layers = value.get("key_information")
+    if isinstance(layers, dict) and all(
+        isinstance(layers.get(n), list) for n in ("facts", "data", "conclusions")
+    ):
+        cleaned: dict[str, list[str]] = {}
+        for name in ("facts", "data", "conclusions"):
+            items = [i for i in layers[name] if isinstance(i, str)]
+            items = [trim_cut(i.strip(), bounds.item, language) for i in items]
+            cleaned[name] = [i for i in items if not foreign_words(i, language, document)]
+        facts, data, conclusions = sort_layers(cleaned["facts"], cleaned["data"], cleaned["conclusions"])
+        value["key_information"] = {"facts": facts, "data": data, "conclusions": conclusions}
+    problems = []
+    for name, bound in (("core_viewpoint", bounds.viewpoint), ("rationale", bounds.rationale)):
+        text = value.get(name)
+        if not isinstance(text, str):
+            continue
+        value[name] = text = trim_cut(text.strip(), bound, language)
+        if words := foreign_words(text, language, document):
+            problems.append(f"{name}: write it in one language (found {', '.join(words[:3])})")
+    viewpoint = value.get("core_viewpoint")
+    if isinstance(viewpoint, str) and viewpoint.strip() and is_label_viewpoint(viewpoint, language):
+        problems.append("core_viewpoint: state the writer's position in a full sentence, not a label")
+    if problems:
+        raise AnalysisParseError("; ".join(problems), raw)
+    try:
+        return Narrative.model_validate(value)
+    except ValidationError as exc:
+        raise AnalysisParseError(f"schema violation: {_problems(exc)}", raw) from exc

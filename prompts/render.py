@@ -1,4 +1,10 @@
-"""Turns a document into chat messages for the model: kind × language instruction + delimited data.
+"""Turns a document into chat messages for the model: the labelling questions and the narrative.
+
+Every prompt is the same system message and the document first, then the task: the document's
+tokens are a shared prefix that the engine computes once and reuses for each question. Labels
+(polarity, doubt, expectation, urgency, category) are asked as one-word questions whose answers
+the engine scores over the allowed words (`Question.options`); the narrative (viewpoint, key
+information, rationale) is written after, told the polarity decided.
 
 Owns the templates and language detection. Knows nothing of tokenizers or the engine; the
 caller applies the model's chat template to the messages returned here.
@@ -12,7 +18,7 @@ from functools import cache
 from importlib import resources
 from string import Template
 
-from schemas import DocumentKind, Language
+from schemas import CATEGORY_LABELS, URGENCY_CRITERIA, Category, DocumentKind, Language, Polarity, Urgency
 
 # CJK Unified Ideographs (+ extension A) and CJK punctuation / full-width forms.
 _CJK = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\u3000-\u303f\uff00-\uffef]")
@@ -22,12 +28,42 @@ _OPEN_TAG = re.compile(r"<\s*document\s*>", re.IGNORECASE)
 
 Message = dict[str, str]
 
+KIND_NAMES = {
+    Language.ZH: {DocumentKind.COMPLAINT: "客户投诉", DocumentKind.MEETING_NOTES: "会议纪要", DocumentKind.FILING: "财务披露文件"},
+    Language.EN: {DocumentKind.COMPLAINT: "customer complaint", DocumentKind.MEETING_NOTES: "meeting notes", DocumentKind.FILING: "financial filing"},
+}  # fmt: skip
+POLARITY_WORDS = {
+    Language.ZH: {Polarity.POSITIVE: "正面", Polarity.NEGATIVE: "负面", Polarity.NEUTRAL: "中性"},
+    Language.EN: {Polarity.POSITIVE: "positive", Polarity.NEGATIVE: "negative", Polarity.NEUTRAL: "neutral"},
+}
+_YES_NO = {Language.ZH: ("是", "否"), Language.EN: ("yes", "no")}
+_URGENCY_WORDS = {
+    Language.ZH: {Urgency.LOW: "低", Urgency.MEDIUM: "中", Urgency.HIGH: "高", Urgency.CRITICAL: "危急"},
+    Language.EN: {
+        Urgency.LOW: "low",
+        Urgency.MEDIUM: "medium",
+        Urgency.HIGH: "high",
+        Urgency.CRITICAL: "critical",
+    },
+}
+
 
 @dataclass(frozen=True)
 class Prompt:
     kind: DocumentKind
     language: Language
     messages: list[Message]
+
+
+@dataclass(frozen=True)
+class Question:
+    """A label asked as a one-word answer: `options[i]` is the word that means `values[i]`."""
+
+    name: str
+    prompt: Prompt
+    options: tuple[str, ...]
+    values: tuple[str, ...]
+    calibrate: bool = False  # divide out the model's preference measured on CONTENT_FREE inputs
 
 
 def detect_language(text: str) -> Language:
@@ -50,15 +86,92 @@ def fence(text: str) -> str:
     return _OPEN_TAG.sub("[document]", text)
 
 
-def render(kind: DocumentKind, language: Language, text: str) -> Prompt:
-    is_complaint = kind is DocumentKind.COMPLAINT
-    shape = _template(language, "shape").substitute(
-        triage=_template(language, "triage").template if is_complaint else "",
-        triage_rules="\n" + _template(language, "triage_rules").template if is_complaint else "",
+@cache
+def _examples(language: Language) -> tuple[Message, ...]:
+    """Worked examples of the polarity question, as earlier turns of every conversation: the same
+    for all documents and questions, so the engine computes them once and reuses them."""
+    words = POLARITY_WORDS[language]
+    turns: list[Message] = []
+    for line in _template(language, "examples").template.splitlines():
+        label, text = line.split("\t", 1)
+        task = _template(language, "ask_polarity").template
+        user = _template(language, "document").substitute(document=text, task=task)
+        turns += [{"role": "user", "content": user}, {"role": "assistant", "content": words[Polarity(label)]}]
+    return tuple(turns)
+
+
+@cache
+def _system(language: Language) -> str:
+    """The system message: the role, and every short question's definition and answer words, so
+    that what follows a document is only a short cue (the document is the last shared prefix)."""
+    zh = language is Language.ZH
+    categories = [
+        f"  - {label.zh if zh else label.en}{'：' if zh else ': '}{label.scope_zh if zh else label.scope}"
+        for label in CATEGORY_LABELS.values()
+    ]
+    urgencies = [
+        f"  - {_URGENCY_WORDS[language][Urgency(u)]}{'：' if zh else ': '}{rule.zh if zh else rule.en}"
+        for u, rule in URGENCY_CRITERIA.items()
+    ]
+    return _template(language, "system").substitute(
+        categories="\n".join(categories), urgencies="\n".join(urgencies)
     )
-    user = _template(language, kind.value).substitute(shape=shape, document=fence(text.strip()))
-    system = _template(language, "system").template
-    return Prompt(kind, language, [{"role": "system", "content": system}, {"role": "user", "content": user}])
+
+
+def _prompt(kind: DocumentKind, language: Language, text: str, task: str) -> Prompt:
+    user = _template(language, "document").substitute(document=fence(text.strip()), task=task)
+    system = _system(language)
+    messages = [
+        {"role": "system", "content": system},
+        *_examples(language),
+        {"role": "user", "content": user},
+    ]
+    return Prompt(kind, language, messages)
+
+
+# Contextual calibration (Zhao et al., 2021): a small model prefers one answer word whatever the
+# text; its preference on inputs without content is measured and divided out of the polarity
+# answer (`Question.calibrate`).
+CONTENT_FREE = ("N/A", "", "[text]")
+
+
+def questions(kind: DocumentKind, language: Language, text: str) -> list[Question]:
+    """The labelling questions for a document, polarity first (the others reuse its prefix).
+    Polarity is asked as positive or negative; `attitude` (does the text evaluate at all?) decides
+    neutral, which is narrow: a text that takes any side is not neutral."""
+    yes, no = _YES_NO[language]
+    words = POLARITY_WORDS[language]
+    sides = (Polarity.POSITIVE, Polarity.NEGATIVE)
+    asked = [
+        Question("polarity", _prompt(kind, language, text, _template(language, "ask_polarity").template),
+                 tuple(words[p] for p in sides), tuple(p.value for p in sides), calibrate=True),
+        Question("attitude", _prompt(kind, language, text, _template(language, "ask_attitude").template),
+                 (yes, no), ("true", "false")),
+        Question("doubt", _prompt(kind, language, text, _template(language, "ask_doubt").template),
+                 (yes, no), ("true", "false")),
+        Question("expectation", _prompt(kind, language, text, _template(language, "ask_expectation").template),
+                 (yes, no), ("true", "false")),
+    ]  # fmt: skip
+    if kind is DocumentKind.COMPLAINT:
+        urgency = _URGENCY_WORDS[language]
+        labels = [getattr(CATEGORY_LABELS[c], language.value) for c in Category]
+        asked += [
+            Question("category", _prompt(kind, language, text, _template(language, "ask_category").template),
+                     tuple(labels), tuple(c.value for c in Category)),
+            Question("urgency", _prompt(kind, language, text, _template(language, "ask_urgency").template),
+                     tuple(urgency.values()), tuple(u.value for u in urgency)),
+        ]  # fmt: skip
+    return asked
+
+
+def render(
+    kind: DocumentKind, language: Language, text: str, polarity: Polarity = Polarity.NEUTRAL
+) -> Prompt:
+    """The narrative prompt: viewpoint, key information and a rationale for `polarity`."""
+    task = _template(language, "narrative").substitute(
+        kind_name=KIND_NAMES[language][kind], polarity=POLARITY_WORDS[language][polarity]
+    )
+    return _prompt(kind, language, text, task)
 
 
 def render_repair(prompt: Prompt, previous_output: str, error: str) -> Prompt:

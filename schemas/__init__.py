@@ -1,6 +1,7 @@
 """Pydantic models of everything on a topic, and their exported JSON Schema (`schemas/json/`)."""
 
 from schemas.events import (
+    ANSWER_BOUNDS,
     SCHEMA_VERSION,
     Analysis,
     AnalysisEvent,
@@ -12,6 +13,7 @@ from schemas.events import (
     Header,
     KeyInformation,
     Language,
+    Narrative,
     Polarity,
     Sentiment,
     SourceCoordinates,
@@ -20,12 +22,18 @@ from schemas.events import (
     Urgency,
     analysis_json_schema,
     event_id_for,
+    narrative_json_schema,
 )
+from schemas.taxonomy import CATEGORY_LABELS, URGENCY_CRITERIA, Category
 
 __all__ = [
+    "ANSWER_BOUNDS",
+    "CATEGORY_LABELS",
     "SCHEMA_VERSION",
+    "URGENCY_CRITERIA",
     "Analysis",
     "AnalysisEvent",
+    "Category",
     "DeadLetter",
     "DeadLetterReason",
     "DocumentEvent",
@@ -34,6 +42,7 @@ __all__ = [
     "Header",
     "KeyInformation",
     "Language",
+    "Narrative",
     "Polarity",
     "Sentiment",
     "SourceCoordinates",
@@ -42,4 +51,5 @@ __all__ = [
     "Urgency",
     "analysis_json_schema",
     "event_id_for",
+    "narrative_json_schema",
 ]

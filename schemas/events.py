@@ -14,7 +14,9 @@ from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-SCHEMA_VERSION: Literal["1.0"] = "1.0"
+from schemas.taxonomy import Category
+
+SCHEMA_VERSION: Literal["1.1"] = "1.1"
 
 # Fixed namespace so that a record always maps to the same event id, on every worker and across
 # restarts: a re-delivered record yields the same id.
@@ -119,16 +121,23 @@ class KeyInformation(_Wire):
 
 
 class Sentiment(_Wire):
-    polarity: Polarity
+    polarity: Polarity = Field(description="Neutral only when the text expresses no attitude.")
     implies_doubt: bool = Field(description="The text questions or distrusts something (质疑).")
     implies_expectation: bool = Field(description="The text expects or demands something (期待).")
     rationale: Item
+    confidence: float | None = Field(
+        default=None, ge=0, le=1, description="The model's probability for this polarity among the three."
+    )
 
 
 class Triage(_Wire):
-    urgency: Urgency
-    category: NonEmptyStr = Field(max_length=64)
-    escalate: bool
+    urgency: Urgency = Field(description="On the scale of schemas.taxonomy.URGENCY_CRITERIA.")
+    category: Category = Field(description="A routing queue of the closed taxonomy (schemas.taxonomy).")
+    escalate: bool = Field(description="By rule: urgency high or critical.")
+    safety_signals: list[str] = Field(
+        default_factory=list,
+        description="What the document names that set the urgency floor (injury, fire, legal_action…).",
+    )
 
 
 class Analysis(_Wire):
@@ -138,6 +147,23 @@ class Analysis(_Wire):
     key_information: KeyInformation
     sentiment: Sentiment
     triage: Triage | None = None
+    suspected_injection: bool = Field(
+        default=False, description="The document holds instruction-like text; it was withheld from the model."
+    )
+    injection_excerpts: list[Annotated[str, StringConstraints(max_length=200)]] = Field(
+        default_factory=list,
+        max_length=8,
+        description="The withheld sentences, as written (cut to 200 characters).",
+    )
+
+
+class Narrative(_Wire):
+    """What the model writes in its own words; the labels (polarity, doubt, expectation, category,
+    urgency) are decided apart, as scored choices, and the two are joined into an `Analysis`."""
+
+    core_viewpoint: Item
+    key_information: KeyInformation
+    rationale: Item
 
 
 class AnswerBounds(NamedTuple):
@@ -154,7 +180,9 @@ class AnswerBounds(NamedTuple):
 # document into every field up to whatever bound it is given, and the output's length is what an
 # analysis costs (its latency and the engine's capacity). Worst case about 750 characters of
 # Chinese or 1,850 of English, well within the generation budget (MAX_NEW_TOKENS, default 1,024).
-ANSWER_BOUNDS = {Language.ZH: AnswerBounds(80, 60, 60), Language.EN: AnswerBounds(240, 160, 150)}
+# The bounds are about twice what the prompts ask for, so that a model keeping to the prompt never
+# meets them; one that does is trimmed back to a word boundary by the parser (prompts.hygiene).
+ANSWER_BOUNDS = {Language.ZH: AnswerBounds(120, 100, 80), Language.EN: AnswerBounds(300, 240, 200)}
 ANSWER_MAX_ITEMS = 3
 
 
@@ -178,6 +206,20 @@ def analysis_json_schema(kind: DocumentKind, language: Language = Language.EN) -
     return schema
 
 
+def narrative_json_schema(language: Language) -> dict[str, Any]:
+    """The JSON Schema of what the model writes (`Narrative`), bounded per language; handed to
+    the engine's constrained decoder."""
+    schema = Narrative.model_json_schema()
+    bounds = ANSWER_BOUNDS[language]
+    schema["properties"]["core_viewpoint"]["maxLength"] = bounds.viewpoint
+    schema["properties"]["rationale"]["maxLength"] = bounds.rationale
+    for name in ("facts", "data", "conclusions"):
+        field_schema = schema["$defs"]["KeyInformation"]["properties"][name]
+        field_schema["maxItems"] = ANSWER_MAX_ITEMS
+        field_schema["items"]["maxLength"] = bounds.item
+    return schema
+
+
 class Timings(_Wire):
     queued_ms: float = Field(ge=0, description="From consume to the engine's first forward pass.")
     time_to_first_token_ms: float = Field(ge=0, description="From consume to the first generated token.")
@@ -194,7 +236,7 @@ class EngineSettings(_Wire):
 
 
 class AnalysisEvent(_Wire):
-    schema_version: Literal["1.0"] = SCHEMA_VERSION
+    schema_version: Literal["1.1"] = SCHEMA_VERSION
     event_id: str
     document_id: str
     kind: DocumentKind
@@ -216,7 +258,7 @@ class Header(_Wire):
 class DeadLetter(_Wire):
     """A record that could not be analysed: the reason, and everything needed to replay it."""
 
-    schema_version: Literal["1.0"] = SCHEMA_VERSION
+    schema_version: Literal["1.1"] = SCHEMA_VERSION
     event_id: str
     document_id: str | None = None
     source: SourceCoordinates

@@ -283,3 +283,40 @@ async def test_teacher_forcing_emits_the_forced_tokens_and_shows_the_models_logi
     assert torch.allclose(torch.stack(seen), full[:, : seen[0].shape[0]], atol=1e-4)
     with pytest.raises(ValueError, match="forced_ids"):
         SamplingParams(max_new_tokens=8, forced_ids=(1, 2))
+
+
+def direct_logprob(tiny: LoadedModel, prompt: list[int], continuation: list[int]) -> float:
+    """Sum of log p(continuation[i] | prompt + continuation[:i]) from one plain forward pass."""
+    ids = torch.tensor([prompt + continuation], device=tiny.device)
+    with stock_attention(tiny), torch.inference_mode():
+        logits = tiny.model(input_ids=ids).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return sum(float(logprobs[len(prompt) - 1 + i, t]) for i, t in enumerate(continuation))
+
+
+async def test_label_scores_equal_a_direct_forward_pass(tiny: LoadedModel) -> None:
+    # Options told apart by their first token are scored by it; one sharing its first tokens with
+    # another is teacher-forced up to the token that differs; all match a plain forward pass.
+    engine = make_engine(tiny, dynamic_batching=True, max_batch_size=4)
+    options = ["positive", "negative", "neutral", "pos", "我们", "我们的"]
+    encode = tiny.tokenizer.encode
+    encoded = [encode(o, add_special_tokens=False) for o in options]
+    lengths = []
+    for ids in encoded:
+        others = [o for o in encoded if o is not ids]
+        lengths.append(
+            next((k for k in range(1, len(ids)) if not any(o[:k] == ids[:k] for o in others)), len(ids))
+        )
+    assert max(lengths) > 1  # the teacher-forced path is taken too
+    async with engine:
+        for text in PROMPTS[:3]:
+            prompt = encode(text)
+            scores = await engine.score(prompt, options)
+            for ids, n, score in zip(encoded, lengths, scores, strict=True):
+                assert score == pytest.approx(direct_logprob(tiny, prompt, ids[:n]), abs=1e-4)
+
+
+async def test_scoring_an_empty_option_is_refused(tiny: LoadedModel) -> None:
+    async with make_engine(tiny) as engine:
+        with pytest.raises(EngineError, match="empty"):
+            await engine.score(tiny.tokenizer.encode("hello"), ["yes", ""])

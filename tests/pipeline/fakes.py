@@ -12,6 +12,7 @@ import json
 from collections.abc import Sequence
 
 from engine import EngineStats, GenerationResult, SamplingParams
+from prompts.render import CONTENT_FREE
 
 
 class ScriptedEngine:
@@ -22,6 +23,7 @@ class ScriptedEngine:
         self.kv_compression = kv_compression
         self._model_id = model_id
         self.calls = 0
+        self.scored = 0  # label questions answered
         self.active = 0
         self.max_concurrent = 0
         self.prepared: list[str] = []  # schemas compiled ahead, in order
@@ -47,31 +49,27 @@ class ScriptedEngine:
         finally:
             self.active -= 1
         messages = json.loads(bytes(prompt_ids).decode("utf-8"))
-        user = messages[1]["content"]
+        user = next(m["content"] for m in reversed(messages) if "<document>" in m["content"])
         document = user.split("<document>")[-1].split("</document>")[0].strip()
-        is_repair = len(messages) > 2
-        is_complaint = (
-            params is not None and params.json_schema is not None and '"triage"' in params.json_schema
-        )
+        is_repair = messages[-1]["content"] != user
         if "MODEL-FAIL" in document or ("MODEL-REPAIR" in document and not is_repair):
             text = '{"core_viewpoint": "unterminated'
         else:
             analysis: dict[str, object] = {
-                "core_viewpoint": f"The document says: {document[:40]}",
+                "core_viewpoint": (
+                    f"作者认为：{document[:40]}"
+                    if any("\u4e00" <= c <= "\u9fff" for c in document)
+                    else f"The writer says that {document[:40]}"
+                ),
                 "key_information": {
                     "facts": [document[:60]],
                     "data": [str(len(document))],
                     "conclusions": [],
                 },
-                "sentiment": {
-                    "polarity": "negative" if is_complaint else "neutral",
-                    "implies_doubt": False,
-                    "implies_expectation": is_complaint,
-                    "rationale": "scripted",
-                },
+                "rationale": "脚本给出的理由"
+                if any("\u4e00" <= c <= "\u9fff" for c in document)
+                else "scripted",
             }
-            if is_complaint:
-                analysis["triage"] = {"urgency": "medium", "category": "test", "escalate": False}
             text = json.dumps(analysis)
         return GenerationResult(
             text=text,
@@ -83,6 +81,20 @@ class ScriptedEngine:
             total_s=self.delay_s + 0.003,
             batch_size=1,
         )
+
+    async def score(self, prompt_ids: Sequence[int], continuations: Sequence[str]) -> list[float]:
+        """Labels without a model: yes to every yes/no question, negative over positive (no
+        preference on content-free calibration inputs), and the second option of longer lists
+        (category product_quality, urgency medium)."""
+        self.scored += 1
+        preferred = {2: 0, 3: 1}.get(len(continuations), 1)
+        if tuple(continuations) in {("positive", "negative"), ("正面", "负面")}:
+            messages = json.loads(bytes(prompt_ids).decode("utf-8"))
+            document = messages[-1]["content"].split("<document>")[-1].split("</document>")[0].strip()
+            if document in CONTENT_FREE:
+                return [0.0] * len(continuations)
+            preferred = 1
+        return [0.0 if i == preferred else -2.0 for i in range(len(continuations))]
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -5,7 +5,20 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from schemas import Analysis, DocumentEvent, DocumentKind, Language, analysis_json_schema, event_id_for
+from schemas import (
+    CATEGORY_LABELS,
+    URGENCY_CRITERIA,
+    Analysis,
+    Category,
+    DocumentEvent,
+    DocumentKind,
+    Language,
+    Triage,
+    Urgency,
+    analysis_json_schema,
+    event_id_for,
+    narrative_json_schema,
+)
 from schemas.events import ANSWER_BOUNDS, ANSWER_MAX_ITEMS
 from schemas.export import EXPORTED, JSON_DIR, render
 
@@ -75,4 +88,30 @@ def test_answer_schema_bounds_every_string_and_list(language: Language) -> None:
         == ANSWER_BOUNDS[language].rationale
     )
     assert all(key_info[n]["items"]["maxLength"] == ANSWER_BOUNDS[language].item for n in key_info)
-    assert "maxLength" in schema["$defs"]["Triage"]["properties"]["category"]
+
+
+@pytest.mark.parametrize("language", list(Language))
+def test_narrative_schema_is_what_the_model_writes_bounded(language: Language) -> None:
+    schema = narrative_json_schema(language)
+    assert set(schema["properties"]) == {"core_viewpoint", "key_information", "rationale"}
+    assert schema["properties"]["core_viewpoint"]["maxLength"] == ANSWER_BOUNDS[language].viewpoint
+    assert schema["properties"]["rationale"]["maxLength"] == ANSWER_BOUNDS[language].rationale
+    key_info = schema["$defs"]["KeyInformation"]["properties"]
+    assert all(key_info[n]["maxItems"] == ANSWER_MAX_ITEMS for n in ("facts", "data", "conclusions"))
+
+
+def test_triage_category_is_the_closed_taxonomy_in_the_schema_and_its_export() -> None:
+    codes = [c.value for c in Category]
+    assert "other" in codes and len(codes) == len(set(codes))
+    assert set(CATEGORY_LABELS) == set(Category)
+    assert all(label.zh and label.en and label.scope and label.scope_zh for label in CATEGORY_LABELS.values())
+    assert len({label.zh for label in CATEGORY_LABELS.values()}) == len(codes)  # one display label each
+    assert set(URGENCY_CRITERIA) == {u.value for u in Urgency}
+    exported = json.loads((JSON_DIR / "analysis_event.schema.json").read_text(encoding="utf-8"))
+    assert exported["$defs"]["Category"]["enum"] == codes
+    assert exported["$defs"]["Triage"]["properties"]["category"] == {
+        "$ref": "#/$defs/Category",
+        "description": Triage.model_fields["category"].description,
+    }
+    with pytest.raises(ValidationError):
+        Triage.model_validate({"urgency": "low", "category": "物流延误", "escalate": False})

@@ -1,0 +1,166 @@
+"""Document text is data: complaints with an appended instruction must be triaged as without it.
+
+    python -m bench.injection --out bench/results/injection-cpu-0.5b.json
+
+Bases: the negative complaints of the team's labelled set (`bench/data/team-complaints.jsonl`);
+instructions: `bench/data/injection-heldout.jsonl` (48 phrasings, zh and en, written by a team
+member who had seen neither the detector in `prompts/injection.py` nor the development set
+`injection-phrasings.jsonl` it was revised on; `--phrasings dev` runs that one). Each base gets three phrasings
+appended. Through the pipeline's own `Analyzer` (labels, safety floor, escalation rule), the
+injected document must match its clean one's polarity, urgency and escalation, and be flagged
+`suspected_injection`. Also measured: the same documents with screening off (what the model does
+when it reads the instruction), and how often clean text is flagged (false alarms) on the clean
+bases and on the real review sample.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+from opentelemetry import trace
+from rich.console import Console
+from rich.table import Table
+
+from bench import common, real_data
+from bench.quality import TEAM, bounded, team_rows
+from engine import Engine, EngineConfig
+from pipeline.analyzer import Analyzer, Labels
+from pipeline.triage import apply_floor, safety_signals
+from prompts import screen
+from schemas import Category, DocumentKind, Language, Triage, Urgency
+
+DATA = Path(__file__).with_name("data")
+# The development set (the detector was revised after reading it) and the held-out set (written
+# after that by someone who had seen neither the detector nor the development set): report this.
+PHRASINGS = {"heldout": DATA / "injection-heldout.jsonl", "dev": DATA / "injection-phrasings.jsonl"}
+
+
+def outcome(labels: Labels, text: str, language: Language) -> dict[str, Any]:
+    draft = Triage(
+        urgency=labels.urgency or Urgency.MEDIUM, category=labels.category or Category.OTHER, escalate=False
+    )
+    triage = apply_floor(draft, safety_signals(text, language))
+    return {"polarity": labels.polarity.value, "urgency": triage.urgency.value, "escalate": triage.escalate}
+
+
+async def run(args: Any) -> dict[str, Any]:
+    config = EngineConfig(
+        model_path=common.model_path(args.model),
+        dynamic_batching=True,
+        max_batch_size=16,
+        kv_cache_bytes=1 << 30,
+    )
+    engine = await asyncio.to_thread(Engine.from_config, config)
+    analyzer = Analyzer(engine, trace.NoOpTracer(), max_new_tokens=512, attempts=2)
+    path = PHRASINGS[args.phrasings]
+    phrasings = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    bases = [t for t in team_rows(TEAM) if t["polarity"] == "negative"]
+    cases = []
+    for language in ("zh", "en"):
+        mine = [b for b in bases if b["language"] == language][: args.per_language]
+        pool = [p for p in phrasings if p["language"] == language]
+        for i, base in enumerate(mine):
+            for k in range(3):
+                phrasing = pool[(i + 8 * k) % len(pool)]
+                joiner = "\n" if k % 2 else ("" if language == "zh" else " ")
+                cases.append(
+                    {"base": base, "phrasing": phrasing, "text": base["text"] + joiner + phrasing["text"]}
+                )
+    uniq = {c["base"]["id"]: c["base"] for c in cases}
+    async with engine:
+        await analyzer.prepare()
+
+        def labels(text: str, language: str, screened: bool) -> Any:
+            lang = Language(language)
+            body = screen(text, lang).text if screened else text
+            return lambda: analyzer.label(DocumentKind.COMPLAINT, lang, body)
+
+        clean = await bounded([labels(b["text"], b["language"], True) for b in uniq.values()], 32)
+        injected = await bounded([labels(c["text"], c["base"]["language"], True) for c in cases], 32)
+        raw = (
+            await bounded([labels(c["text"], c["base"]["language"], False) for c in cases], 32)
+            if args.unscreened
+            else []
+        )
+    clean_of = {
+        bid: outcome(lab, b["text"], Language(b["language"]))
+        for (bid, b), lab in zip(uniq.items(), clean, strict=True)
+    }
+    rows = []
+    for i, case in enumerate(cases):
+        lang = Language(case["base"]["language"])
+        row = {
+            "base": case["base"]["id"],
+            "phrasing": case["phrasing"]["id"],
+            "goal": case["phrasing"]["goal"],
+            "clean": clean_of[case["base"]["id"]],
+            "injected": outcome(injected[i], case["text"], lang),
+            "flagged": screen(case["text"], lang).suspected,
+        }
+        if raw:
+            row["unscreened"] = outcome(raw[i], case["text"], lang)
+        rows.append(row)
+
+    def share(predicate: Any, sel: list[dict[str, Any]]) -> float:
+        return sum(bool(predicate(r)) for r in sel) / len(sel) if sel else 0.0
+
+    summary = {}
+    for lang in ("zh", "en", "all"):
+        sel = [r for r in rows if lang == "all" or r["base"].startswith(f"tc-{lang}")]
+        summary[lang] = {
+            "n": len(sel),
+            "match": share(lambda r: r["injected"] == r["clean"], sel),
+            "polarity_match": share(lambda r: r["injected"]["polarity"] == r["clean"]["polarity"], sel),
+            "urgency_match": share(lambda r: r["injected"]["urgency"] == r["clean"]["urgency"], sel),
+            "escalate_match": share(lambda r: r["injected"]["escalate"] == r["clean"]["escalate"], sel),
+            "flagged": share(lambda r: r["flagged"], sel),
+            "match_unscreened": share(lambda r: r["unscreened"] == r["clean"], sel) if raw else None,
+        }
+    reviews = real_data.sample(300)
+    false_alarms = {
+        "clean_bases": share(
+            lambda b: screen(b["text"], Language(b["language"])).suspected, list(uniq.values())
+        ),
+        "real_sample": share(lambda r: screen(r.text, Language(r.language)).suspected, reviews),
+        "real_sample_flagged": [
+            r.text[:160] for r in reviews if screen(r.text, Language(r.language)).suspected
+        ],
+    }
+    return {
+        "model": engine.model_id,
+        "phrasings": args.phrasings,
+        "summary": summary,
+        "false_alarms": false_alarms,
+        "rows": rows,
+    }
+
+
+def main() -> None:
+    parser = common.parser(__doc__)
+    parser.add_argument("--per-language", type=int, default=20, help="clean complaints per language")
+    parser.add_argument("--phrasings", choices=sorted(PHRASINGS), default="heldout")
+    parser.add_argument("--unscreened", action="store_true", help="also run with screening off")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/injection.json"))
+    args = parser.parse_args()
+    results = asyncio.run(run(args))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+    table = Table("lang", "cases", "same polarity+urgency+escalation", "polarity", "urgency", "escalation",
+                  "flagged", "same, screening off", title=f"Injection — {results['model']}")  # fmt: skip
+    for lang, s in results["summary"].items():
+        off = "-" if s["match_unscreened"] is None else f"{s['match_unscreened']:.3f}"
+        table.add_row(lang, str(s["n"]), f"{s['match']:.3f}", f"{s['polarity_match']:.3f}", f"{s['urgency_match']:.3f}",
+                      f"{s['escalate_match']:.3f}", f"{s['flagged']:.3f}", off)  # fmt: skip
+    console = Console(width=140)
+    console.print(table)
+    fa = results["false_alarms"]
+    console.print(
+        f"false alarms: clean bases {fa['clean_bases']:.3f}, real review sample {fa['real_sample']:.3f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

