@@ -88,7 +88,7 @@ class Watch:
 def worker(settings: Settings, module: str, log: Path) -> Iterator[subprocess.Popen[bytes]]:
     """The worker process for one configuration; stopped with SIGTERM (then killed) on exit."""
     with log.open("ab") as out:
-        proc = subprocess.Popen(  # noqa: S603 (this interpreter, our module)
+        proc = subprocess.Popen(
             [sys.executable, "-m", module, *(["run"] if module == "pipeline" else [])],
             cwd=ROOT, env=common.worker_env(settings), stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
