@@ -63,6 +63,12 @@ bench: install
 bench-full: install
 	$(BIN)/python -m bench.load_test --profile full --out-dir bench/results/load-full
 
+bench-quality: install
+	$(BIN)/python -m bench.quality --out bench/results/quality.json
+
+bench-injection: install
+	$(BIN)/python -m bench.injection --out bench/results/injection.json
+
 bench-validity: install
 	$(BIN)/python -m bench.validity --out bench/results/validity.json
 

@@ -1,8 +1,9 @@
 """KV-compression harness: memory and quality of each compression profile, in one run.
 
 For every profile, on the documents of bench/data/kv-corpus.jsonl (zh/en, three kinds):
-  * analysis pass: each document's analysis generated with its JSON Schema (all documents at
-    once, the same batch size for every profile): tokens/s, p50/p95 latency, valid JSON;
+  * analysis pass: each document's analysis as the service makes it, labels scored by the
+    `Analyzer` under that profile, then the narrative generated with its JSON Schema (all documents
+    at once, the same batch size for every profile): tokens/s, p50/p95 latency, valid JSON;
   * KV bytes per token: what the pool holds for a document at its last step (its block table,
     full-precision and quantised blocks, exact bytes, all layers) over the tokens it holds, as a
     ratio to bf16; and how many 2,000-character documents fit a fixed pool at that size;
@@ -32,14 +33,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from opentelemetry import trace
 from rich.console import Console
 from rich.table import Table
 
 from bench import common
 from engine import Engine, EngineConfig, SamplingParams
 from engine.loader import LoadedModel, load_model
-from prompts import AnalysisParseError, parse_analysis, render
-from schemas import DocumentKind, Language, analysis_json_schema
+from pipeline.analyzer import Analyzer
+from pipeline.codec import Document
+from prompts import AnalysisParseError, parse_narrative, render
+from schemas import DocumentKind, Language, Polarity, SourceCoordinates, narrative_json_schema
 
 CORPUS = Path(__file__).with_name("data") / "kv-corpus.jsonl"
 
@@ -119,15 +123,16 @@ def held(engine: Engine, seq_id: int) -> tuple[int, int]:
 async def analysis_pass(
     engine: Engine, docs: list[dict[str, Any]], top_k: int | None
 ) -> tuple[list[DocResult], Reference, float]:
-    """Generates every analysis; with `top_k`, records the reference distributions as well."""
-    schemas = {
-        (k, lang): json.dumps(analysis_json_schema(k, lang)) for k in DocumentKind for lang in Language
-    }
+    """Every analysis as the service makes it (labels scored by `Analyzer.label`, then the
+    narrative generated); with `top_k`, records the narrative's reference distributions as well."""
+    schemas = {lang: json.dumps(narrative_json_schema(lang)) for lang in Language}
+    analyzer = Analyzer(engine, trace.NoOpTracer(), max_new_tokens=1024, attempts=1)
     rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by document index: completion order differs
 
     async def one(index: int, doc: dict[str, Any]) -> DocResult:
         kind, language = DocumentKind(doc["kind"]), Language(doc["language"])
-        ids = engine.format_chat(render(kind, language, doc["text"]).messages)
+        labels = await analyzer.label(kind, language, doc["text"])
+        ids = engine.format_chat(render(kind, language, doc["text"], labels.polarity).messages)
         rows_ids: list[torch.Tensor] = []
         rows_logp: list[torch.Tensor] = []
         last: dict[str, tuple[int, int]] = {}
@@ -140,13 +145,20 @@ async def analysis_pass(
                 rows_ids.append(top.to(torch.int32))
                 rows_logp.append(logp)
 
-        params = SamplingParams(max_new_tokens=1024, json_schema=schemas[(kind, language)])
+        params = SamplingParams(max_new_tokens=1024, json_schema=schemas[language])
         handle = engine.submit(ids, params, observe)
         seq_id.append(handle.request_id)
         result = await handle.result()
         error = None
         try:
-            analysis: dict[str, Any] | None = parse_analysis(result.text, kind).model_dump(mode="json")
+            narrative = parse_narrative(result.text, language, doc["text"])
+            source = SourceCoordinates(topic="kv", partition=0, offset=index)
+            document = Document(
+                event_id=doc["document_id"], document_id=doc["document_id"], kind=kind, language=language,
+                text=doc["text"], source=source,
+            )  # fmt: skip
+            assembled = Analyzer.assemble(document, narrative, labels, ())
+            analysis: dict[str, Any] | None = assembled.model_dump(mode="json")
         except AnalysisParseError as exc:
             analysis, error = None, f"{exc} | raw output: {result.text}"
         if top_k:
@@ -176,7 +188,9 @@ async def teacher_forced_pass(
     async def one(i: int) -> tuple[list[float], list[bool]]:
         doc, forced = docs[i], reference[i].output_ids[:limit]
         kind, language = DocumentKind(doc["kind"]), Language(doc["language"])
-        ids = engine.format_chat(render(kind, language, doc["text"]).messages)
+        analysed = reference[i].analysis  # the reference's prompt names the polarity it decided
+        polarity = Polarity(analysed["sentiment"]["polarity"]) if analysed else Polarity.NEUTRAL
+        ids = engine.format_chat(render(kind, language, doc["text"], polarity).messages)
         kls: list[float] = []
         top1: list[bool] = []
 

@@ -52,10 +52,11 @@ async def test_default_model_analyses_bundled_samples(settings: Settings, teleme
         assert (event.kind is DocumentKind.COMPLAINT) == (event.analysis.triage is not None)
         assert event.timings.output_tokens > 0 and event.engine.dynamic_batching
     attacked = next(found[0] for found in answers.values() if found[0].document_id == "injection")
-    # The shape holds: a full, valid analysis with triage, not the bare word asked for. (The words
-    # need not: the 0.5B model has been seen to copy "PWNED" into core_viewpoint. Content is the
-    # model's; routing fields are enums and booleans, so a dashboard still parses every event.)
+    # The instruction is withheld from the model and flagged for the desk; the shape holds and the
+    # words asked for do not appear.
     assert isinstance(attacked, AnalysisEvent)
     AnalysisEvent.model_validate_json(attacked.model_dump_json())
+    assert attacked.analysis.suspected_injection and attacked.analysis.injection_excerpts
+    assert "PWNED" not in attacked.analysis.core_viewpoint
     assert attacked.analysis.triage is not None and attacked.analysis.sentiment.polarity is not None
     assert engine.stats().largest_batch > 1

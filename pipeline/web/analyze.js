@@ -44,6 +44,9 @@ function fillList(id, items) {
 }
 
 const POLARITY = { positive: "积极 · positive", neutral: "中性 · neutral", negative: "消极 · negative" };
+const CATEGORY = { safety: "安全隐患 · safety", product_quality: "产品质量 · product quality", delivery: "物流配送 · delivery",
+  billing: "收费退款 · billing", customer_service: "服务态度 · customer service", after_sales: "售后维修 · after-sales",
+  misleading_claims: "虚假宣传 · misleading claims", account_access: "账户系统 · account & app", privacy: "隐私数据 · privacy", other: "其他 · other" };
 const URGENCY = { critical: "紧急 · critical", high: "高 · high", medium: "中 · medium", low: "低 · low" };
 
 function render(event) {
@@ -61,7 +64,14 @@ function render(event) {
   if (a.triage) {
     const t = a.triage;
     const u = Object.assign(document.createElement("span"), { className: `badge urgency-${t.urgency}`, textContent: URGENCY[t.urgency] || t.urgency });
-    $("triage").replaceChildren(u, ` 类别 · category: ${t.category}`, t.escalate ? " — 需升级 · escalate" : "");
+    const signals = (t.safety_signals || []).length ? ` — 安全信号 · safety signals: ${t.safety_signals.join(", ")}` : "";
+    $("triage").replaceChildren(u, ` 类别 · category: ${CATEGORY[t.category] || t.category}`, t.escalate ? " — 需升级 · escalate" : "", signals);
+  }
+  document.getElementById("injection-warning")?.remove();
+  if (a.suspected_injection) {
+    const warn = Object.assign(document.createElement("p"), { id: "injection-warning", className: "badge urgency-high",
+      textContent: `疑似注入指令，已对模型隐去 · suspected injection, withheld from the model: ${a.injection_excerpts.join(" / ")}` });
+    $("rationale").after(warn);
   }
   const tm = event.timings;
   const rows = [["排队 · queued", `${(tm.queued_ms / 1000).toFixed(2)} s`], ["首个 token · first token", `${(tm.time_to_first_token_ms / 1000).toFixed(2)} s`],
