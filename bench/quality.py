@@ -150,7 +150,7 @@ async def run(args: Any) -> dict[str, Any]:
     }
     async with engine:
         await analyzer.prepare()
-        real = real_data.sample(args.per_language)
+        real = [r for r in real_data.sample(args.per_language) if r.language in args.languages]
         docs = [document(i, DocumentKind.FILING, r.language, r.text) for i, r in enumerate(real)]
         started = time.perf_counter()
         decided = await labels_on(analyzer, docs)
@@ -163,14 +163,14 @@ async def run(args: Any) -> dict[str, Any]:
         results["labels_docs_per_min"] = 60 * len(docs) / label_s
         results["polarity"] = {
             "all": polarity_report(rows),
-            **{lang: polarity_report([r for r in rows if r["language"] == lang]) for lang in ("zh", "en")},
+            **{lang: polarity_report([r for r in rows if r["language"] == lang]) for lang in args.languages},
             **{
                 src: polarity_report([r for r in rows if r["source"] == src])
                 for src in sorted({r["source"] for r in rows})
             },
         }
 
-        team = team_rows(args.team)
+        team = [t for t in team_rows(args.team) if t["language"] in args.languages][: args.team_limit]
         team_docs = [
             document(10_000 + i, DocumentKind.COMPLAINT, t["language"], t["text"]) for i, t in enumerate(team)
         ]
@@ -216,11 +216,11 @@ async def run(args: Any) -> dict[str, Any]:
                 final_counts += hygiene_counts(d.language, d.text, row["analysis"])
         results["whole"] = {
             "n": len(analysed),
-            "valid": sum(r["valid"] for r in analysed) / len(analysed),
+            "valid": sum(r["valid"] for r in analysed) / len(analysed) if analysed else None,
             "repaired": sum(r.get("attempts", 0) == 2 for r in analysed),
             "output_tokens_mean": sum(r.get("output_tokens", 0) for r in analysed if r["valid"])
             / max(1, sum(r["valid"] for r in analysed)),
-            "docs_per_min": 60 * len(analysed) / whole_s,
+            "docs_per_min": 60 * len(analysed) / whole_s if analysed else None,
             "hygiene_published": dict(final_counts),
         }
         results["engine"] = {
@@ -260,6 +260,8 @@ def show(results: dict[str, Any], console: Console) -> None:
                        f"{rep['urgency_accuracy_model_only']:.3f}", f"{rep['escalate_accuracy']:.3f}")  # fmt: skip
     console.print(triage)
     w = results["whole"]
+    if not w["n"]:
+        return
     console.print(
         f"whole analyses: n={w['n']} valid={w['valid']:.3f} repaired={w['repaired']} "
         f"output tokens/answer={w['output_tokens_mean']:.0f} docs/min={w['docs_per_min']:.1f}; "
@@ -274,6 +276,8 @@ def main() -> None:
     parser.add_argument(
         "--narrative", type=int, default=30, help="whole analyses per language (and team half)"
     )
+    parser.add_argument("--languages", type=lambda v: v.split(","), default=["zh", "en"], help="e.g. en")
+    parser.add_argument("--team-limit", type=int, default=None, help="team complaints used (default all)")
     parser.add_argument("--team", type=Path, default=TEAM, help="the team-labelled complaints (JSONL)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/quality.json"))
     args = parser.parse_args()

@@ -180,9 +180,12 @@ class Analyzer:
         names = [n for n in asked if n != "polarity"]
         rest = await asyncio.gather(*(self._score(asked[n]) for n in names))
         scores = {"polarity": first, **dict(zip(names, rest, strict=True))}
-        prior = await self._prior(kind, language, "polarity")
-        side, confidence = choose(asked["polarity"], scores["polarity"], prior)
-        attitude, attitude_p = choose(asked["attitude"], scores["attitude"], None)
+        side, confidence = choose(
+            asked["polarity"], scores["polarity"], await self._prior(kind, language, "polarity")
+        )
+        attitude, attitude_p = choose(
+            asked["attitude"], scores["attitude"], await self._prior(kind, language, "attitude")
+        )
         polarity = Polarity(side) if attitude == "true" else Polarity.NEUTRAL
         if polarity is Polarity.NEUTRAL:
             confidence = attitude_p

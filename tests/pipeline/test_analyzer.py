@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -10,6 +11,7 @@ from opentelemetry import trace
 from pipeline.analyzer import Analyzer, choose
 from pipeline.codec import Document
 from prompts import questions
+from prompts.render import CONTENT_FREE
 from schemas import DocumentKind, Language, Polarity, SourceCoordinates, Urgency
 from tests.pipeline.fakes import ScriptedEngine
 
@@ -47,7 +49,9 @@ async def test_a_document_without_attitude_is_neutral_and_non_complaints_have_no
     class NoAttitude(ScriptedEngine):
         async def score(self, prompt_ids: object, continuations: object) -> list[float]:
             options = list(continuations)  # type: ignore[call-overload]
-            if options == ["yes", "no"]:
+            messages = json.loads(bytes(prompt_ids).decode("utf-8"))  # type: ignore[arg-type]
+            document = messages[-1]["content"].split("<document>")[-1].split("</document>")[0].strip()
+            if options == ["yes", "no"] and document not in CONTENT_FREE:
                 return [-3.0, 0.0]
             return await super().score(prompt_ids, options)  # type: ignore[arg-type]
 
@@ -56,4 +60,7 @@ async def test_a_document_without_attitude_is_neutral_and_non_complaints_have_no
         doc("Revenue was 2.8 billion dollars in 2025.", Language.EN, DocumentKind.FILING), 0.0
     )
     assert outcome.analysis.sentiment.polarity is Polarity.NEUTRAL and outcome.analysis.triage is None
-    assert outcome.analysis.sentiment.confidence == pytest.approx(1 / (1 + math.exp(-3)), abs=1e-3)
+    # Calibrated: the stand-in says yes 0:-2 on content-free inputs and -3:0 on this document.
+    prior_yes, prior_no = 1 / (1 + math.exp(-2)), 1 / (1 + math.exp(2))
+    yes, no = -3 - math.log(prior_yes), 0 - math.log(prior_no)
+    assert outcome.analysis.sentiment.confidence == pytest.approx(1 / (1 + math.exp(yes - no)), abs=1e-3)
