@@ -189,7 +189,11 @@ class Analyzer:
         polarity = Polarity(side) if attitude == "true" else Polarity.NEUTRAL
         if polarity is Polarity.NEUTRAL:
             confidence = attitude_p
-        pick = {n: choose(asked[n], scores[n], None)[0] for n in names if n != "attitude"}
+        pick = {}
+        for name in names:
+            if name != "attitude":
+                prior = await self._prior(kind, language, name) if asked[name].calibrate else None
+                pick[name] = choose(asked[name], scores[name], prior)[0]
         return Labels(
             polarity,
             round(confidence, 4),

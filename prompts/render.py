@@ -130,8 +130,9 @@ def _prompt(kind: DocumentKind, language: Language, text: str, task: str) -> Pro
 
 
 # Contextual calibration (Zhao et al., 2021): a small model prefers one answer word whatever the
-# text; its preference on inputs without content is measured and divided out of the polarity and
-# attitude answers (`Question.calibrate`). Uncalibrated, the 0.5B model answered "no attitude" for
+# text; its preference on inputs without content is measured and divided out of every answer but
+# doubt and expectation (`Question.calibrate`): uncalibrated, it sent most team complaints to one
+# queue ("服务态度" in Chinese, the first listed in English). Uncalibrated, the 0.5B model answered "no attitude" for
 # 87 % of 600 real labelled reviews and news posts (bench/results/quality-cpu-0.5b-uncalibrated-attitude.json).
 CONTENT_FREE = ("N/A", "", "[text]")
 
@@ -158,9 +159,9 @@ def questions(kind: DocumentKind, language: Language, text: str) -> list[Questio
         labels = [getattr(CATEGORY_LABELS[c], language.value) for c in Category]
         asked += [
             Question("category", _prompt(kind, language, text, _template(language, "ask_category").template),
-                     tuple(labels), tuple(c.value for c in Category)),
+                     tuple(labels), tuple(c.value for c in Category), calibrate=True),
             Question("urgency", _prompt(kind, language, text, _template(language, "ask_urgency").template),
-                     tuple(urgency.values()), tuple(u.value for u in urgency)),
+                     tuple(urgency.values()), tuple(u.value for u in urgency), calibrate=True),
         ]  # fmt: skip
     return asked
 
