@@ -52,23 +52,20 @@ class ScriptedEngine:
         user = next(m["content"] for m in reversed(messages) if "<document>" in m["content"])
         document = user.split("<document>")[-1].split("</document>")[0].strip()
         is_repair = messages[-1]["content"] != user
+        chinese = messages[0]["content"].startswith("你")  # the prompt's language: the answer's
         if "MODEL-FAIL" in document or ("MODEL-REPAIR" in document and not is_repair):
             text = '{"core_viewpoint": "unterminated'
         else:
             analysis: dict[str, object] = {
-                "core_viewpoint": (
-                    f"作者认为：{document[:40]}"
-                    if any("\u4e00" <= c <= "\u9fff" for c in document)
-                    else f"The writer says that {document[:40]}"
-                ),
+                "core_viewpoint": f"作者认为这份文档说的是：{document[:40]}"
+                if chinese
+                else f"The writer says that {document[:40]}",
                 "key_information": {
                     "facts": [document[:60]],
                     "data": [str(len(document))],
                     "conclusions": [],
                 },
-                "rationale": "脚本给出的理由"
-                if any("\u4e00" <= c <= "\u9fff" for c in document)
-                else "scripted",
+                "rationale": "脚本给出的理由" if chinese else "scripted",
             }
             text = json.dumps(analysis)
         return GenerationResult(
