@@ -16,19 +16,21 @@ from pipeline.settings import load_settings
 from pipeline.telemetry import setup_telemetry
 from pipeline.workers import stop_on_signals
 
-ANSWER = json.dumps(
-    {
-        "core_viewpoint": "No analysis: the pipeline benchmark's instant analyser.",
-        "key_information": {"facts": [], "data": [], "conclusions": []},
-        "sentiment": {
-            "polarity": "neutral",
-            "implies_doubt": False,
-            "implies_expectation": False,
-            "rationale": "-",
+# The narrative the model would write, per prompt language (labels come from `score`).
+ANSWERS = {
+    lang: json.dumps(
+        {
+            "core_viewpoint": viewpoint,
+            "key_information": {"facts": [], "data": [], "conclusions": []},
+            "rationale": why,
         },
-        "triage": {"urgency": "low", "category": "benchmark", "escalate": False},
-    }
-)
+        ensure_ascii=False,
+    )
+    for lang, viewpoint, why in (
+        ("en", "The pipeline benchmark's instant analyser wrote no analysis.", "No model ran."),
+        ("zh", "流水线基准测试的即时分析器没有做分析。", "没有运行模型。"),
+    )
+}
 
 
 class InstantEngine:
@@ -37,7 +39,11 @@ class InstantEngine:
     model_id = "instant"
 
     def format_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        return [len(m["content"]) for m in messages]
+        # First "token": the prompt's language (1: Chinese), so the answer can be in it.
+        return [int(messages[0]["content"].startswith("你")), *(len(m["content"]) for m in messages)]
+
+    async def score(self, prompt_ids: Sequence[int], continuations: Sequence[str]) -> list[float]:
+        return [-float(i) for i in range(len(continuations))]
 
     async def prepare(self, json_schema: str) -> None:
         pass
@@ -46,7 +52,7 @@ class InstantEngine:
         self, prompt_ids: Sequence[int], params: SamplingParams | None = None
     ) -> GenerationResult:
         return GenerationResult(
-            text=ANSWER, token_ids=[0], prompt_tokens=len(prompt_ids), finish_reason="stop",
+            text=ANSWERS["zh" if prompt_ids[0] else "en"], token_ids=[0], prompt_tokens=len(prompt_ids), finish_reason="stop",
             queued_s=0.0, ttft_s=0.0, total_s=0.0, batch_size=1,
         )  # fmt: skip
 
