@@ -130,8 +130,9 @@ class Analyzer:
         }
         self.max_new_tokens = max_new_tokens
         self.attempts = attempts
-        # Per (kind, language, question): the option probabilities on content-free inputs.
-        self._priors: dict[tuple[DocumentKind, Language, str], asyncio.Future[list[float]]] = {}
+        # Per (language, question): the option probabilities on content-free inputs. A question's
+        # prompt is the same for every kind (complaints only ask more), so kinds share them.
+        self._priors: dict[tuple[Language, str], asyncio.Future[list[float]]] = {}
 
     async def prepare(self) -> None:
         """Compiles each language's grammar and measures the calibration priors ahead of the
@@ -140,20 +141,20 @@ class Analyzer:
         for params in self.params.values():
             if params.json_schema is not None:
                 await self.engine.prepare(params.json_schema)
-        for kind in DocumentKind:
-            for language in Language:
-                for question in questions(kind, language, ""):
-                    if question.calibrate:
-                        await self._prior(kind, language, question.name)
+        for language in Language:
+            for question in questions(DocumentKind.COMPLAINT, language, ""):
+                if question.calibrate:
+                    await self._prior(language, question.name)
 
-    async def _prior(self, kind: DocumentKind, language: Language, name: str) -> list[float]:
-        key = (kind, language, name)
+    async def _prior(self, language: Language, name: str) -> list[float]:
+        key = (language, name)
         if key not in self._priors:
             future = self._priors[key] = asyncio.get_running_loop().create_future()
             try:
                 rows = []
                 for text in CONTENT_FREE:
-                    question = next(q for q in questions(kind, language, text) if q.name == name)
+                    asked = questions(DocumentKind.COMPLAINT, language, text)
+                    question = next(q for q in asked if q.name == name)
                     rows.append(await self._score(question))
                 future.set_result(
                     [sum(math.exp(r[i]) for r in rows) / len(rows) for i in range(len(rows[0]))]
@@ -181,10 +182,10 @@ class Analyzer:
         rest = await asyncio.gather(*(self._score(asked[n]) for n in names))
         scores = {"polarity": first, **dict(zip(names, rest, strict=True))}
         side, confidence = choose(
-            asked["polarity"], scores["polarity"], await self._prior(kind, language, "polarity")
+            asked["polarity"], scores["polarity"], await self._prior(language, "polarity")
         )
         attitude, attitude_p = choose(
-            asked["attitude"], scores["attitude"], await self._prior(kind, language, "attitude")
+            asked["attitude"], scores["attitude"], await self._prior(language, "attitude")
         )
         polarity = Polarity(side) if attitude == "true" else Polarity.NEUTRAL
         if polarity is Polarity.NEUTRAL:
@@ -192,7 +193,7 @@ class Analyzer:
         pick = {}
         for name in names:
             if name != "attitude":
-                prior = await self._prior(kind, language, name) if asked[name].calibrate else None
+                prior = await self._prior(language, name) if asked[name].calibrate else None
                 pick[name] = choose(asked[name], scores[name], prior)[0]
         return Labels(
             polarity,
