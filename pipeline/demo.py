@@ -1,4 +1,5 @@
-"""`make demo`: embedded broker, default model, the bundled samples in, readable reports out.
+"""`make demo`: a broker of its own (Apache Kafka; Tansu without Java), the default model, the
+bundled samples in, readable reports out.
 
 Starts everything it needs, publishes the six bundled documents (complaint, meeting notes and
 filing, each in Chinese and English), waits for an answer to each and prints it. Exits non-zero
@@ -41,11 +42,12 @@ async def run_demo(console: Console, timeout_s: float) -> int:
         overrides["dynamic_batching"] = True  # the demo shows the batching engine unless told otherwise
     base = load_settings(**overrides)
     console.rule("[bold]DeepAnalyze demo")
-    t0 = time.perf_counter()
-    model_path = resolve_model_path(base)
-    console.print(f"model ready in {time.perf_counter() - t0:.1f} s", highlight=False)
-    console.print(f"  {model_path}", soft_wrap=True, highlight=False)
     with embedded_broker() as broker:
+        console.print(f"broker: {broker.kind} on {broker.bootstrap_servers}", highlight=False)
+        t0 = time.perf_counter()
+        model_path = resolve_model_path(base)
+        console.print(f"model ready in {time.perf_counter() - t0:.1f} s", highlight=False)
+        console.print(f"  {model_path}", soft_wrap=True, highlight=False)
         settings = Settings(
             **{
                 **base.model_dump(),
@@ -53,7 +55,6 @@ async def run_demo(console: Console, timeout_s: float) -> int:
                 "model_path": model_path,
             }
         )
-        console.print(f"embedded broker on {broker.bootstrap_servers}")
         stop = asyncio.Event()
         ready = asyncio.Event()
 

@@ -6,6 +6,7 @@ secrets are unwrapped in one place only.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import ssl
 from typing import Any
@@ -42,8 +43,9 @@ def client_options(settings: Settings) -> dict[str, Any]:
 
 def make_producer(settings: Settings) -> AIOKafkaProducer:
     # acks=all: an answer counts as delivered only once every in-sync replica has it. Not
-    # idempotent: the embedded broker rejects idempotent producers, and duplicates are already
-    # harmless (same event_id).
+    # idempotent: the Tansu fallback rejects idempotent producers, and a retried send's duplicate
+    # is harmless (same event_id). PROCESSING_GUARANTEE=exactly_once uses transactional producers
+    # (pipeline/transactions.py) for the answers instead.
     return AIOKafkaProducer(**client_options(settings), acks="all", enable_idempotence=False, linger_ms=5)
 
 
@@ -60,6 +62,9 @@ def make_consumer(settings: Settings, *topics: str, grouped: bool = True) -> AIO
         heartbeat_interval_ms=max(100, settings.session_timeout_ms // 3),
         max_poll_records=settings.max_poll_records,
         fetch_max_wait_ms=settings.fetch_max_wait_ms,
+        # Records of aborted transactions (ours under exactly_once, or a transactional
+        # producer's upstream) are never read; plain records are read as soon as written.
+        isolation_level="read_committed",
     )
 
 
@@ -99,9 +104,46 @@ async def ensure_topics(settings: Settings, topics: list[str] | None = None) -> 
             elif code != TopicAlreadyExistsError.errno:
                 raise KafkaError(f"could not create topic {name}: {message} (error {code})")
         log.info("created topics %s", created)
+        await _await_leaders(admin, missing)
         return created
     finally:
         await admin.close()
+
+
+async def partitions_of(settings: Settings, topics: list[str]) -> dict[str, list[int]]:
+    """The partition numbers of each of `topics`; LookupError names a topic that does not exist."""
+    admin = AIOKafkaAdminClient(**client_options(settings))
+    await admin.start()
+    try:
+        described = await admin.describe_topics(topics)
+    finally:
+        await admin.close()
+    found = {
+        t["topic"]: sorted(p["partition"] for p in t["partitions"]) for t in described if t["error_code"] == 0
+    }
+    for topic in topics:
+        if not found.get(topic):
+            raise LookupError(f"topic {topic} has no partitions (does it exist?)")
+    return found
+
+
+async def _await_leaders(admin: AIOKafkaAdminClient, topics: list[str], timeout_s: float = 30.0) -> None:
+    """Waits until every partition of `topics` has a leader. Kafka answers CreateTopics once the
+    controller has accepted them; the brokers learn of them a moment later, and a producer or a
+    reader arriving in that moment is told the topic does not exist."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        described = await admin.describe_topics(topics)
+        pending = [
+            t["topic"]
+            for t in described
+            if t["error_code"] != 0 or not t["partitions"] or any(p["leader"] < 0 for p in t["partitions"])
+        ]
+        if not pending:
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            raise KafkaError(f"topics {pending} have no leader after {timeout_s:.0f} s")
+        await asyncio.sleep(0.1)
 
 
 def _topic_errors(response: Any) -> list[tuple[str, int, str | None]]:

@@ -48,6 +48,22 @@ class AnswerRejected(ValueError):
     its size: the record it answers gets a small dead letter instead, and the loop goes on."""
 
 
+def answer_record(answer: AnalysisEvent | DeadLetter, settings: Settings) -> tuple[str, bytes, bytes]:
+    """The answer's topic, key and value; AnswerRejected when larger than MAX_MESSAGE_BYTES."""
+    if isinstance(answer, AnalysisEvent):
+        topic, key = settings.topic_analysis, answer.document_id
+    else:
+        topic, key = settings.topic_dead_letters, answer.document_id or answer.event_id
+    value = answer.model_dump_json().encode("utf-8")
+    key_bytes = key.encode("utf-8")
+    if len(value) + len(key_bytes) > settings.max_message_bytes:
+        raise AnswerRejected(
+            f"the answer to {answer.event_id} has {len(value)} bytes; "
+            f"MAX_MESSAGE_BYTES is {settings.max_message_bytes}"
+        )
+    return topic, key_bytes, value
+
+
 class Publisher:
     def __init__(self, producer: AIOKafkaProducer, settings: Settings, tracer: trace.Tracer) -> None:
         self.producer = producer
@@ -55,16 +71,8 @@ class Publisher:
         self.tracer = tracer
 
     async def publish(self, answer: AnalysisEvent | DeadLetter) -> None:
-        if isinstance(answer, AnalysisEvent):
-            topic, key = self.settings.topic_analysis, answer.document_id
-        else:
-            topic, key = self.settings.topic_dead_letters, answer.document_id or answer.event_id
-        value = answer.model_dump_json().encode("utf-8")
-        if len(value) + len(key.encode("utf-8")) > self.settings.max_message_bytes:
-            raise AnswerRejected(
-                f"the answer to {answer.event_id} has {len(value)} bytes; "
-                f"MAX_MESSAGE_BYTES is {self.settings.max_message_bytes}"
-            )
+        topic, key_bytes, value = answer_record(answer, self.settings)
+        key = key_bytes.decode("utf-8")
         attributes: dict[str, str | int] = {
             "messaging.system": "kafka",
             "messaging.operation.type": "send",
@@ -85,7 +93,7 @@ class Publisher:
                 ):
                     with attempt:
                         sent = await self.producer.send_and_wait(
-                            topic, value, key=key.encode("utf-8"), headers=list(JSON_HEADERS)
+                            topic, value, key=key_bytes, headers=list(JSON_HEADERS)
                         )
             except RECORD_ERRORS as exc:
                 span.set_status(trace.StatusCode.ERROR, type(exc).__name__)

@@ -42,6 +42,7 @@ from pipeline.publish import AnswerRejected, Publisher, PublishError
 from pipeline.settings import Settings
 from pipeline.status import status_report
 from pipeline.telemetry import Telemetry, extract_context
+from pipeline.transactions import TransactionalOutbox
 from pipeline.watch import ClusterWatch
 from schemas import AnalysisEvent, DeadLetter, DeadLetterReason
 
@@ -57,9 +58,13 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
         self.service.tracker.forget(set(revoked))
         for tp in revoked:
             self.service.start_offsets.pop(tp, None)
+        if self.service.outbox is not None:
+            await self.service.outbox.revoked(set(revoked))
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         log.info("assigned %s", sorted(f"{tp.topic}[{tp.partition}]" for tp in assigned))
+        if self.service.outbox is not None:  # fences the partitions' previous owners first
+            await self.service.outbox.assigned(set(assigned))
         consumer = self.service.consumer
         await self.service.read_reborn_from_start(assigned)
         for tp in assigned:  # where the group stood: the lag gauge's baseline until we commit
@@ -88,6 +93,7 @@ class Service:
         self._preparing: asyncio.Task[None] | None = None
         self._consumer: AIOKafkaConsumer | None = None
         self._publisher: Publisher | None = None
+        self.outbox: TransactionalOutbox | None = None  # PROCESSING_GUARANTEE=exactly_once
         self._tasks: set[asyncio.Task[None]] = set()
         self._fatal: BaseException | None = None
         self._paused = False
@@ -171,6 +177,8 @@ class Service:
             if not await _unless_stopped(stop, producer.start()):
                 return
             self._publisher = Publisher(producer, self.settings, self.tracer)
+            if self.settings.processing_guarantee == "exactly_once":
+                self.outbox = TransactionalOutbox(self.settings, self.tracer)
             consumer.subscribe(list(self.settings.input_topics), listener=_Rebalance(self))
             if not await _unless_stopped(stop, consumer.start()):
                 return
@@ -186,6 +194,8 @@ class Service:
         finally:
             preparing.cancel()
             await asyncio.gather(preparing, return_exceptions=True)
+            if self.outbox is not None:
+                await self._bounded("closing the transactional producers", self.outbox.close())
             await self._bounded("closing the producer", producer.stop())
         if self._fatal is not None:
             raise self._fatal
@@ -297,6 +307,12 @@ class Service:
         offsets = self.tracker.to_commit()
         if not offsets or self._consumer is None:
             return
+        if self.outbox is not None:  # the answers and the offsets, one transaction per partition
+            try:
+                self.tracker.committed(await self.outbox.commit(offsets))
+            except PublishError as exc:
+                self._fatal = exc
+            return
         try:
             await self._consumer.commit(offsets)
         except (CommitFailedError, KafkaError, ValueError) as exc:
@@ -354,7 +370,7 @@ class Service:
         """Publishes the answer; if the broker refuses it for what it is (its size), a dead letter
         without the original bytes instead. Returns what was published; PublishError if nothing."""
         try:
-            await self._publish(answer)
+            await self._publish(raw, answer)
         except AnswerRejected as exc:
             log.warning("answer to %s[%d]@%d refused: %s", raw.topic, raw.partition, raw.offset, exc)
             if isinstance(answer, AnalysisEvent):
@@ -369,21 +385,34 @@ class Service:
         else:
             return answer
         try:
-            await self._publish(small)
+            await self._publish(raw, small)
         except AnswerRejected as exc:  # even a small dead letter: the topic itself is misconfigured
             raise PublishError(
                 f"the dead-letter topic refuses a {len(small.model_dump_json())}-byte record"
             ) from exc
         return small
 
-    async def _publish(self, answer: AnalysisEvent | DeadLetter) -> None:
-        if self._publisher is None:
+    async def _publish(self, raw: RawRecord, answer: AnalysisEvent | DeadLetter) -> None:
+        """Publishes the answer now, or under exactly_once stages it for its partition's next
+        transaction (AnswerRejected either way when it is too large)."""
+        if self.outbox is not None:
+            tp = TopicPartition(raw.topic, raw.partition)
+            self.outbox.stage(tp, raw.offset, answer, lambda reason: self._refused(raw, answer, reason))
+        elif self._publisher is None:
             raise RuntimeError("publish before start")
-        await self._publisher.publish(answer)
+        else:
+            await self._publisher.publish(answer)
         if isinstance(answer, AnalysisEvent):
             self.counters.processed += 1
         else:
             self.counters.dead_lettered += 1
+
+    def _refused(self, raw: RawRecord, answer: AnalysisEvent | DeadLetter, reason: str) -> DeadLetter:
+        """The small dead letter published instead of an answer the broker refused."""
+        log.warning("answer to %s[%d]@%d refused: %s", raw.topic, raw.partition, raw.offset, reason)
+        return self.answerer.dead_letter(
+            raw, DeadLetterReason.ANSWER_REJECTED, reason, document_id=answer.document_id, keep_value=False
+        )
 
 
 async def _unless_stopped(stop: asyncio.Event, step: Any) -> bool:

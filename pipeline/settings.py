@@ -51,6 +51,19 @@ class Settings(BaseSettings):
     )
     max_inflight: int = Field(default=32, ge=1, description="Documents consumed but not yet answered.")
     commit_interval_ms: int = Field(default=1_000, ge=50)
+    processing_guarantee: Literal["at_least_once", "exactly_once"] = Field(
+        default="at_least_once",
+        description=(
+            "exactly_once: each answer and its consumed offset are committed in one Kafka transaction "
+            "(read the answer topics with isolation.level=read_committed)."
+        ),
+    )
+    transactional_id_prefix: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=200,
+        description="exactly_once: prefix of the per-partition transactional ids (default: CONSUMER_GROUP).",
+    )
     shutdown_grace_s: float = Field(
         default=30.0, ge=0, le=3_600, description="On SIGTERM: time in-flight documents get to finish."
     )

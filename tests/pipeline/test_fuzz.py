@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from hypothesis import HealthCheck, given
 from hypothesis import settings as settings_
 from hypothesis import strategies as st
@@ -106,11 +108,27 @@ def hostile_key_and_headers(rng: random.Random, i: int) -> tuple[bytes | None, l
     return key, extra
 
 
+async def accept_records_up_to(settings: Settings, topics: list[str], size: int) -> None:
+    """Raises the topics' record size limit (Kafka's default is 1 MB): a cluster whose operators
+    raised it hands the worker records of any size, and those are what these tests are about."""
+    admin = AIOKafkaAdminClient(**client_options(settings))
+    await admin.start()
+    try:
+        resources = [
+            ConfigResource(ConfigResourceType.TOPIC, t, configs={"max.message.bytes": str(size)})
+            for t in topics
+        ]
+        await admin.alter_configs(resources)
+    finally:
+        await admin.close()
+
+
 async def test_a_thousand_malformed_records_never_crash_the_worker_and_lose_nothing(
     settings: Settings, telemetry: Telemetry, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO)
     await ensure_topics(settings)
+    await accept_records_up_to(settings, list(settings.input_topics), 32 * 2**20)
     rng = random.Random(2026)
     bad = malformed(rng, 1_000)
     goods = [
@@ -237,6 +255,7 @@ async def worker(
 ) -> AsyncIterator[tuple[Settings, AIOKafkaProducer]]:
     """One worker (stand-in engine) for all of a property test's examples, and a producer."""
     await ensure_topics(settings)
+    await accept_records_up_to(settings, list(settings.input_topics), 8 * 2**20)
     producer = AIOKafkaProducer(**client_options(settings), max_request_size=8 * 1024 * 1024)
     await producer.start()
     service = Service(settings, ScriptedEngine(), telemetry)
@@ -248,6 +267,7 @@ async def worker(
         await producer.stop()
 
 
+@pytest.mark.filterwarnings("ignore:Generating overly large repr")  # a failure shows its assertion
 @settings_(
     max_examples=25,
     deadline=None,

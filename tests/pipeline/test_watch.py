@@ -10,10 +10,12 @@ import httpx
 import pytest
 from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.client import collect_answers, publish_documents, publish_raw
 from pipeline.http import serve_status
 from pipeline.kafka import client_options, ensure_topics
+from pipeline.kafka_broker import run_tool, unavailable_reason
 from pipeline.service import Service, running
 from pipeline.settings import Settings
 from pipeline.telemetry import Telemetry
@@ -68,6 +70,87 @@ async def test_lag_counts_the_partitions_another_member_holds_and_never_reads(
     assert partitions <= status["consumer_lag"].keys()
     assert all(status["consumer_lag"][f"{tp.topic}[{tp.partition}]"] > 0 for tp in theirs)
     assert status["cluster"]["reachable"] is True
+
+
+def consumer_groups_tool(settings: Settings) -> dict[tuple[str, int], tuple[int | None, int]]:
+    """Apache Kafka's own `kafka-consumer-groups --describe` for the group (from the same jars):
+    per partition, the committed offset (None: "-", nothing committed) and the log end offset."""
+    out = run_tool(
+        "org.apache.kafka.tools.consumer.group.ConsumerGroupCommand",
+        "--bootstrap-server", settings.kafka_bootstrap_servers,
+        "--describe", "--group", settings.consumer_group,
+    )  # fmt: skip
+    lines = [line.split() for line in out.splitlines() if line.strip()]
+    header = next(i for i, cols in enumerate(lines) if cols[:2] == ["GROUP", "TOPIC"])
+    names = lines[header]
+    rows = [dict(zip(names, cols, strict=False)) for cols in lines[header + 1 :]]
+    return {
+        (row["TOPIC"], int(row["PARTITION"])): (
+            None if row["CURRENT-OFFSET"] == "-" else int(row["CURRENT-OFFSET"]),
+            int(row["LOG-END-OFFSET"]),
+        )
+        for row in rows
+        if row.get("PARTITION", "-").isdigit()
+    }
+
+
+@pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
+async def test_lag_on_metrics_is_what_kafkas_own_consumer_groups_tool_reports(
+    settings: Settings, telemetry: Telemetry
+) -> None:
+    """The worker's lag gauge against `kafka-consumer-groups`: on the partitions it answered
+    (lag 0) and on those a second member holds and never reads (log end minus the commit, which
+    the member made on one partition only; the tool shows "-" where nothing was committed, which
+    the gauge counts from 0, as the group's `earliest` reset reads it)."""
+    settings = quick(settings, topic_partitions=4)
+    await ensure_topics(settings)
+    stuck = AIOKafkaConsumer(
+        *settings.input_topics, **client_options(settings), group_id=settings.consumer_group,
+        session_timeout_ms=settings.session_timeout_ms, heartbeat_interval_ms=1_000, enable_auto_commit=False,
+    )  # fmt: skip
+    await stuck.start()
+    service = Service(settings, ScriptedEngine(), telemetry)
+    try:
+        async with (
+            running(service, asyncio.Event()),
+            serve_status(service.status, "127.0.0.1", 0, service.metrics.render) as port,
+            httpx.AsyncClient() as client,
+        ):
+            await until(lambda: service.is_ready and stuck.assignment() and service.consumer.assignment())
+            await asyncio.sleep(1.0)  # let the rebalance settle
+            docs = [
+                DocumentEvent(document_id=f"d{i}", kind=DocumentKind.COMPLAINT, text=f"Lost {i}")
+                for i in range(40)
+            ]
+            sent = await publish_documents(settings, docs)
+            theirs = sorted(tp for tp in stuck.assignment() if tp.topic == settings.topic_complaints)
+            assert theirs, "the stuck member holds no complaints partition"
+            held = {
+                tp: sum(1 for x in sent if (x.topic, x.partition) == (tp.topic, tp.partition))
+                for tp in theirs
+            }
+            one = max(theirs, key=held.__getitem__)
+            assert held[one] >= 2, held
+            await stuck.commit({one: 1})
+            ours = [tp for tp in service.consumer.assignment() if tp.topic == settings.topic_complaints]
+            await until(lambda: all(service.lag().get(tp, 1) == 0 for tp in ours))
+            await until(lambda: service.lag().get(one) == held[one] - 1)
+            await asyncio.sleep(2 * settings.cluster_check_interval_s)  # the watch's next look
+            text = (await client.get(f"http://127.0.0.1:{port}/metrics")).text
+            tool = await asyncio.to_thread(consumer_groups_tool, settings)
+    finally:
+        await stuck.stop()
+    gauge = {
+        (sample.labels["topic"], int(sample.labels["partition"])): int(sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "deepanalyze_consumer_lag"
+    }
+    complaints = {key: value for key, value in tool.items() if key[0] == settings.topic_complaints}
+    assert len(complaints) == 4 and sum(end for _, end in complaints.values()) == 40
+    for key, (committed, end) in complaints.items():
+        assert gauge[key] == end - (committed or 0), (key, gauge[key], committed, end)
+    assert any(gauge[key] > 0 for key in complaints) and any(gauge[key] == 0 for key in complaints)
 
 
 async def test_a_vanished_topic_is_created_again_and_a_changed_one_is_reported(

@@ -36,11 +36,12 @@ async def front_end(settings: Settings, telemetry: Telemetry, *, worker: bool = 
     front = Front(settings, hub, send_timeout_s=3.0)
     service = Service(settings, ScriptedEngine(delay_s=0.05), telemetry)
     stop = asyncio.Event()
+    # Topics first: a POST that beats the worker's start-up would otherwise have the broker
+    # auto-create the topic with its own default partition count.
+    await ensure_topics(settings)
     async with contextlib.AsyncExitStack() as stack:
         if worker:
             await stack.enter_async_context(running(service, stop))
-        else:
-            await ensure_topics(settings)
         port = await stack.enter_async_context(
             serve_status(service.status, "127.0.0.1", 0, None, router(front))
         )
