@@ -18,7 +18,7 @@ from opentelemetry import trace
 from pipeline.client import collect_answers, publish_documents
 from pipeline.codec import RawRecord, dead_letter
 from pipeline.kafka import client_options, ensure_topics
-from pipeline.kafka_broker import unavailable_reason
+from pipeline.kafka_broker import run_tool, unavailable_reason
 from pipeline.service import Service, running
 from pipeline.settings import Settings
 from pipeline.telemetry import Telemetry
@@ -162,3 +162,26 @@ async def test_worker_killed_three_times_mid_batch_no_duplicate_for_read_committ
     duplicates = Counter({e: len(found) for e, found in answers.items() if len(found) > 1})
     assert not duplicates, f"{sum(duplicates.values())} duplicates: {duplicates.most_common(3)}"
     assert committed == ends
+
+
+async def test_kafkas_own_console_consumer_reads_the_answers_read_committed(
+    settings: Settings, telemetry: Telemetry
+) -> None:
+    """An independent client: Apache Kafka's console consumer (from the same jars), reading the
+    answer topic with isolation.level=read_committed, prints the analysis events a worker
+    committed under exactly_once, one per document."""
+    settings = exactly_once(settings)
+    await ensure_topics(settings)
+    sent = await publish_documents(settings, good_documents(6))
+    service = Service(settings, ScriptedEngine(), telemetry)
+    async with running(service, asyncio.Event()):
+        await collect_answers(settings, {s.event_id for s in sent}, timeout_s=60)
+    out = await asyncio.to_thread(
+        run_tool,
+        "org.apache.kafka.tools.consumer.ConsoleConsumer",
+        "--bootstrap-server", settings.kafka_bootstrap_servers, "--topic", settings.topic_analysis,
+        "--from-beginning", "--isolation-level", "read_committed", "--max-messages", str(len(sent)),
+        "--timeout-ms", "30000",
+    )  # fmt: skip
+    events = [AnalysisEvent.model_validate_json(line) for line in out.splitlines() if line.strip()]
+    assert sorted(e.event_id for e in events) == sorted(s.event_id for s in sent)
