@@ -8,7 +8,7 @@ KAFKA_VERSION := $(shell sed -n 's:.*<kafka.version>\(.*\)</kafka.version>.*:\1:
 KAFKA_LIBS    := $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/deepanalyze/kafka-$(KAFKA_VERSION)/libs
 KAFKA_STAMP   := $(KAFKA_LIBS)/.resolved-$(shell sha1sum deploy/kafka/pom.xml | cut -c1-12)
 
-.PHONY: install model-large demo test lint typecheck unit schemas bench bench-full bench-engine bench-validity bench-kv bench-pipeline clean bench-cuda
+.PHONY: install model-large demo test lint typecheck unit schemas bench bench-full bench-engine bench-validity bench-kv bench-pipeline bench-faults clean bench-cuda
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -65,6 +65,11 @@ bench-kv: install
 
 bench-pipeline: install
 	$(BIN)/python -m bench.pipeline_bench --out bench/results/pipeline.json
+
+# Faults on a 3-node Apache Kafka cluster (leader kills, a broker restart, worker kills, a
+# rebalance), at-least-once and exactly-once, with the stand-in analyser: lost and duplicates.
+bench-faults: install
+	$(BIN)/python -m bench.kafka_faults --out bench/results/kafka-faults.json
 
 # On a GPU host (CUDA torch on its python3): engine tests on CUDA + the 8B-shaped engine benchmark.
 # `bench/cuda_prepare.sh`, run where PyPI answers, puts the wheels and tokenizer it needs in .cuda/.

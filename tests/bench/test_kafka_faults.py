@@ -1,0 +1,36 @@
+"""The fault harness on a real 3-node Apache Kafka cluster (replication factor 3, min.insync 2),
+small: the broker leading an answer partition is killed (-9) mid-stream and started again, and
+under exactly_once a read_committed reader sees every document answered once. The full table
+(five scenarios, 5,000 documents each, both guarantees) is `make bench-faults`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from bench.kafka_faults import run_scenario
+from pipeline.kafka_broker import kafka_cluster, unavailable_reason
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(unavailable_reason() is not None, reason="needs Apache Kafka"),
+]
+
+
+async def test_an_answer_partition_leader_killed_mid_stream_loses_nothing(tmp_path: Path) -> None:
+    """Both guarantees, one cluster: nothing lost; under exactly_once, nothing twice either."""
+    args = argparse.Namespace(
+        documents=200, rate=100.0, worker_kills=0, real_model=False, collect_timeout_s=120.0, logs=tmp_path
+    )
+    with kafka_cluster(3) as cluster:
+        outcomes = [
+            await run_scenario(cluster, "output-leader-kill", guarantee, args, Console(quiet=True))
+            for guarantee in ("at_least_once", "exactly_once")
+        ]
+    for outcome in outcomes:
+        assert "kill -9 broker" in outcome.fault and "started broker" in outcome.fault
+        assert outcome.sent == 200 and outcome.lost == 0, outcome.missing
+    assert outcomes[1].duplicates == 0
