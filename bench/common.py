@@ -6,6 +6,7 @@ engine's packages alone (a GPU host: `bench/cuda_check.sh`)."""
 from __future__ import annotations
 
 import argparse
+import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -45,3 +46,13 @@ def worker_env(settings: Settings, **extra: str) -> dict[str, str]:
         env[name.upper()] = str(value).lower() if isinstance(value, bool) else str(value)
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
     return env | extra
+
+
+def stop_process(process: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `timeout_s`."""
+    process.terminate()
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

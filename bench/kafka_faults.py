@@ -41,7 +41,8 @@ from aiokafka.structs import TopicPartition
 from rich.console import Console
 from rich.table import Table
 
-from bench.common import worker_env
+from bench.common import stop_process, worker_env
+from bench.pipeline_bench import TEXTS
 from pipeline.client import answer_id
 from pipeline.kafka import client_options, ensure_topics, partitions_of
 from pipeline.kafka_broker import KafkaCluster, kafka_cluster
@@ -49,8 +50,6 @@ from pipeline.settings import Settings, load_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIOS = ("input-leader-kill", "output-leader-kill", "broker-restart", "worker-kill", "rebalance")
-TEXTS = ["快递晚到了五天，还多收了安装费，客服一直不回复。", "Revenue grew 9% to $2.8 billion; margin guidance unchanged.",
-         "会议决定下周上线新版本，测试由王工负责。", "The replacement part arrived broken again; I want a refund."]  # fmt: skip
 
 
 @dataclass
@@ -94,12 +93,7 @@ class Workers:
         process.wait()
 
     def stop(self, process: subprocess.Popen[bytes]) -> None:
-        process.terminate()
-        try:
-            process.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process, 90)
 
     def stop_all(self) -> None:
         for process in self.processes:

@@ -95,12 +95,7 @@ def worker(settings: Settings, module: str, log: Path) -> Iterator[subprocess.Po
         try:
             yield proc
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            common.stop_process(proc, 60)
 
 
 @dataclass
