@@ -118,13 +118,18 @@ async def partitions_of(settings: Settings, topics: list[str]) -> dict[str, list
         described = await admin.describe_topics(topics)
     finally:
         await admin.close()
-    found = {
-        t["topic"]: sorted(p["partition"] for p in t["partitions"]) for t in described if t["error_code"] == 0
-    }
+    found = partition_map(described)
     for topic in topics:
         if not found.get(topic):
             raise LookupError(f"topic {topic} has no partitions (does it exist?)")
     return found
+
+
+def partition_map(described: list[Any]) -> dict[str, list[int]]:
+    """An admin `describe_topics` answer as topic -> its partition numbers (topics it found)."""
+    return {
+        t["topic"]: sorted(p["partition"] for p in t["partitions"]) for t in described if t["error_code"] == 0
+    }
 
 
 async def _await_leaders(admin: AIOKafkaAdminClient, topics: list[str], timeout_s: float = 30.0) -> None:

@@ -197,7 +197,6 @@ class KafkaNode:
             # (Kafka's own floor is 6 s; the worker's default, 10 s, suits any Kafka).
             "group.initial.rebalance.delay.ms": 0,
             "group.min.session.timeout.ms": 1000,
-            "unstable.api.versions.enable": "false",
         }
 
     def start(self, voters: str, replicas: int, cluster_id: str) -> None:

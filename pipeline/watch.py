@@ -17,14 +17,13 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 from aiokafka.structs import TopicPartition
 
-from pipeline.kafka import client_options, ensure_topics
+from pipeline.kafka import client_options, ensure_topics, partition_map
 from pipeline.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -111,12 +110,7 @@ class ClusterWatch:
             await admin.start()
             self._admin = admin
         # All topics: a request that names none creates none (naming one may auto-create it).
-        described: list[Any] = await self._admin.describe_topics()
-        found = {
-            t["topic"]: sorted(p["partition"] for p in t["partitions"])
-            for t in described
-            if t["error_code"] == 0
-        }
+        found = partition_map(await self._admin.describe_topics())
         return {topic: found.get(topic, []) for topic in self.settings.all_topics}
 
     async def _lag(self, seen: dict[str, list[int]]) -> dict[TopicPartition, int]:
