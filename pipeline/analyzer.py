@@ -27,6 +27,7 @@ from opentelemetry import trace
 
 from engine import EngineError, EngineStats, GenerationResult, SamplingParams
 from pipeline.codec import Document
+from pipeline.telemetry import record_generation
 from pipeline.triage import apply_floor, safety_signals
 from prompts import (
     AnalysisParseError,
@@ -104,23 +105,79 @@ class Labels:
     urgency: Urgency | None
 
 
-def choose(question: Question, logprobs: Sequence[float], prior: Sequence[float] | None) -> tuple[str, float]:
+@dataclass(frozen=True)
+class Scored:
+    """A document's labelling questions, the model's log-probability for each allowed answer, and
+    each calibrated question's option probabilities on content-free inputs."""
+
+    asked: dict[str, Question]
+    logprobs: dict[str, list[float]]
+    priors: dict[str, list[float]]
+
+
+@dataclass(frozen=True)
+class LabelPolicy:
+    """How option probabilities become labels. The defaults were chosen on development data only
+    (`python -m bench.quality --split dev`, then `--tune`; see README "Quality, measured")."""
+
+    neutral_at: float = 0.9  # neutral when P(no evaluation), calibrated, exceeds this
+    polarity_calibration: float = 1.0  # share of the content-free prior divided out (0: none)
+
+
+def choose(
+    question: Question, logprobs: Sequence[float], prior: Sequence[float] | None, weight: float = 1.0
+) -> tuple[str, float]:
     """The value whose option the model finds most likely, and its probability among the options
-    (after dividing out `prior`, the model's preference without content, when given)."""
+    (after dividing out `prior` to the power `weight`: the model's preference without content)."""
     scores = list(logprobs)
     if prior is not None:
-        scores = [s - math.log(max(p, 1e-9)) for s, p in zip(scores, prior, strict=True)]
+        scores = [s - weight * math.log(max(p, 1e-9)) for s, p in zip(scores, prior, strict=True)]
     top = max(scores)
     weights = [math.exp(s - top) for s in scores]
     best = max(range(len(scores)), key=scores.__getitem__)
     return question.values[best], weights[best] / sum(weights)
 
 
+def decide(scored: Scored, policy: LabelPolicy) -> Labels:
+    """The labels of scored questions: polarity from its two sides unless the attitude question
+    finds no evaluation (neutral, with that probability as the confidence)."""
+    asked, logprobs, priors = scored.asked, scored.logprobs, scored.priors
+    side, confidence = choose(
+        asked["polarity"], logprobs["polarity"], priors.get("polarity"), policy.polarity_calibration
+    )
+    attitude = asked["attitude"]
+    no_attitude = choose(attitude, logprobs["attitude"], priors.get("attitude"))
+    p_none = no_attitude[1] if no_attitude[0] == "false" else 1.0 - no_attitude[1]
+    polarity = Polarity(side)
+    if p_none > policy.neutral_at:
+        polarity, confidence = Polarity.NEUTRAL, p_none
+    pick = {
+        name: choose(asked[name], logprobs[name], priors.get(name))[0]
+        for name in asked
+        if name not in ("polarity", "attitude")
+    }
+    return Labels(
+        polarity,
+        round(confidence, 4),
+        pick["doubt"] == "true",
+        pick["expectation"] == "true",
+        Category(pick["category"]) if "category" in pick else None,
+        Urgency(pick["urgency"]) if "urgency" in pick else None,
+    )
+
+
 class Analyzer:
     def __init__(
-        self, engine: AnalysisEngine, tracer: trace.Tracer, *, max_new_tokens: int, attempts: int
+        self,
+        engine: AnalysisEngine,
+        tracer: trace.Tracer,
+        *,
+        max_new_tokens: int,
+        attempts: int,
+        policy: LabelPolicy | None = None,
     ) -> None:
         self.engine = engine
+        self.policy = policy or LabelPolicy()
         self.tracer = tracer
         self.params = {
             language: SamplingParams(
@@ -173,36 +230,19 @@ class Analyzer:
         except EngineError as exc:
             raise AnalysisFailed(DeadLetterReason.GENERATION_FAILED, str(exc), None, 1) from exc
 
-    async def label(self, kind: DocumentKind, language: Language, text: str) -> Labels:
-        """The labels of a (screened) document: polarity first, whose prompt's blocks the other
-        questions then find in the engine's prefix cache."""
+    async def scores(self, kind: DocumentKind, language: Language, text: str) -> Scored:
+        """Every labelling question of a (screened) document scored: polarity first, whose
+        prompt's blocks the other questions then find in the engine's prefix cache."""
         asked = {q.name: q for q in questions(kind, language, text)}
         first = await self._score(asked["polarity"])
         names = [n for n in asked if n != "polarity"]
         rest = await asyncio.gather(*(self._score(asked[n]) for n in names))
-        scores = {"polarity": first, **dict(zip(names, rest, strict=True))}
-        side, confidence = choose(
-            asked["polarity"], scores["polarity"], await self._prior(language, "polarity")
-        )
-        attitude, attitude_p = choose(
-            asked["attitude"], scores["attitude"], await self._prior(language, "attitude")
-        )
-        polarity = Polarity(side) if attitude == "true" else Polarity.NEUTRAL
-        if polarity is Polarity.NEUTRAL:
-            confidence = attitude_p
-        pick = {}
-        for name in names:
-            if name != "attitude":
-                prior = await self._prior(language, name) if asked[name].calibrate else None
-                pick[name] = choose(asked[name], scores[name], prior)[0]
-        return Labels(
-            polarity,
-            round(confidence, 4),
-            pick["doubt"] == "true",
-            pick["expectation"] == "true",
-            Category(pick["category"]) if "category" in pick else None,
-            Urgency(pick["urgency"]) if "urgency" in pick else None,
-        )
+        priors = {n: await self._prior(language, n) for n, q in asked.items() if q.calibrate}
+        return Scored(asked, {"polarity": first, **dict(zip(names, rest, strict=True))}, priors)
+
+    async def label(self, kind: DocumentKind, language: Language, text: str) -> Labels:
+        """The labels of a (screened) document."""
+        return decide(await self.scores(kind, language, text), self.policy)
 
     async def analyze(self, document: Document, consumed_at: float) -> AnalysisOutcome:
         screened = screen(document.text, document.language)
@@ -301,37 +341,5 @@ class Analyzer:
             result = await self.engine.generate(ids, params)
         except EngineError as exc:
             raise AnalysisFailed(DeadLetterReason.GENERATION_FAILED, str(exc), None, attempt) from exc
-        # The engine measures on its own clock; lay its phases out as spans after the fact:
-        # queue_wait, then `chat <model>` split into prefill (to the first token) and decode.
-        scheduled_ns = submitted_ns + int(result.queued_s * 1e9)
-        first_ns = submitted_ns + int(result.ttft_s * 1e9)
-        finished_ns = submitted_ns + int(result.total_s * 1e9)
-        self.tracer.start_span(
-            "queue_wait", start_time=submitted_ns, attributes={"deepanalyze.attempt": attempt}
-        ).end(end_time=scheduled_ns)
-        generate = self.tracer.start_span(
-            f"chat {self.engine.model_id}",
-            kind=trace.SpanKind.CLIENT,
-            start_time=scheduled_ns,
-            attributes={
-                "gen_ai.operation.name": "chat",
-                "gen_ai.request.model": self.engine.model_id,
-                "gen_ai.usage.input_tokens": result.prompt_tokens,
-                "gen_ai.usage.output_tokens": result.output_tokens,
-                "gen_ai.response.finish_reasons": [result.finish_reason],
-                "gen_ai.server.time_to_first_token": result.ttft_s,
-                "deepanalyze.engine.batch_size": result.batch_size,
-                "deepanalyze.attempt": attempt,
-            },
-        )
-        inside = trace.set_span_in_context(generate)
-        phases = (
-            ("prefill", scheduled_ns, first_ns, {"gen_ai.usage.input_tokens": result.prompt_tokens}),
-            ("decode", first_ns, finished_ns, {"gen_ai.usage.output_tokens": result.output_tokens}),
-        )
-        for name, start, end, usage in phases:
-            attributes: dict[str, str | int] = {**usage, "gen_ai.request.model": self.engine.model_id}
-            span = self.tracer.start_span(name, context=inside, start_time=start, attributes=attributes)
-            span.end(end_time=end)
-        generate.end(end_time=finished_ns)
+        record_generation(self.tracer, self.engine.model_id, submitted_ns, result, attempt)
         return result, submitted

@@ -84,7 +84,21 @@ async def serve(
     """Runs one worker until `stop` is set. The start-up steps run in threads, which a stop cannot
     interrupt (the process waits for them before it exits), so `stop` is looked at after each: a
     SIGTERM during start-up costs the step under way, not the model load and a broker wait too."""
+    owned = telemetry is None
     telemetry = telemetry or setup_telemetry(settings)
+    try:
+        await _serve(settings, stop, telemetry, on_ready)
+    finally:
+        if owned:  # buffered spans are exported before the process ends
+            await asyncio.to_thread(telemetry.shutdown)
+
+
+async def _serve(
+    settings: Settings,
+    stop: asyncio.Event,
+    telemetry: Telemetry,
+    on_ready: Callable[[Service, int], None] | None,
+) -> None:
     await asyncio.to_thread(self_test, select_device(settings.device))
     if _stopped(stop, "the engine self-test"):
         return
@@ -115,6 +129,7 @@ async def serve(
             finally:
                 await hub.close()
                 await front.close()
+                service.metrics.shutdown()
 
 
 def _stopped(stop: asyncio.Event, step: str) -> bool:

@@ -22,6 +22,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
+from engine import GenerationResult
 from pipeline.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,8 @@ class Telemetry:
     tracer: trace.Tracer
 
     def shutdown(self) -> None:
-        self.provider.force_flush()
+        """Exports what is buffered (waiting at most 5 s for an unreachable collector), then stops."""
+        self.provider.force_flush(timeout_millis=5_000)
         self.provider.shutdown()
 
 
@@ -82,3 +84,42 @@ def extract_context(headers: Any) -> Context:
 def current_trace_id() -> str | None:
     context = trace.get_current_span().get_span_context()
     return format(context.trace_id, "032x") if context.is_valid else None
+
+
+def record_generation(
+    tracer: trace.Tracer, model_id: str, submitted_ns: int, result: GenerationResult, attempt: int
+) -> None:
+    """One generation's spans, laid out after the fact from the engine's own clock: `queue_wait`,
+    then `chat <model>` (a client span with the `gen_ai.*` attributes) split into `prefill` (to
+    the first token) and `decode`. The current span is their parent."""
+    scheduled_ns = submitted_ns + int(result.queued_s * 1e9)
+    first_ns = submitted_ns + int(result.ttft_s * 1e9)
+    finished_ns = submitted_ns + int(result.total_s * 1e9)
+    queue_wait = tracer.start_span(
+        "queue_wait", start_time=submitted_ns, attributes={"deepanalyze.attempt": attempt}
+    )
+    queue_wait.end(end_time=scheduled_ns)
+    generate = tracer.start_span(
+        f"chat {model_id}",
+        kind=trace.SpanKind.CLIENT,
+        start_time=scheduled_ns,
+        attributes={
+            "gen_ai.operation.name": "chat",
+            "gen_ai.request.model": model_id,
+            "gen_ai.usage.input_tokens": result.prompt_tokens,
+            "gen_ai.usage.output_tokens": result.output_tokens,
+            "gen_ai.response.finish_reasons": [result.finish_reason],
+            "gen_ai.server.time_to_first_token": result.ttft_s,
+            "deepanalyze.engine.batch_size": result.batch_size,
+            "deepanalyze.attempt": attempt,
+        },
+    )
+    inside = trace.set_span_in_context(generate)
+    phases = (
+        ("prefill", scheduled_ns, first_ns, {"gen_ai.usage.input_tokens": result.prompt_tokens}),
+        ("decode", first_ns, finished_ns, {"gen_ai.usage.output_tokens": result.output_tokens}),
+    )
+    for name, start, end, usage in phases:
+        attributes: dict[str, str | int] = {**usage, "gen_ai.request.model": model_id}
+        tracer.start_span(name, context=inside, start_time=start, attributes=attributes).end(end_time=end)
+    generate.end(end_time=finished_ns)

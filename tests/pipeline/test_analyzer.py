@@ -8,7 +8,7 @@ import math
 import pytest
 from opentelemetry import trace
 
-from pipeline.analyzer import Analyzer, choose
+from pipeline.analyzer import Analyzer, LabelPolicy, Scored, choose, decide
 from pipeline.codec import Document
 from prompts import questions
 from prompts.render import CONTENT_FREE
@@ -29,6 +29,27 @@ def test_choice_takes_the_likeliest_option_and_calibration_divides_out_the_bias(
     assert choose(polarity, logprobs, None) == ("positive", pytest.approx(0.6))
     value, p = choose(polarity, logprobs, [0.8, 0.2])
     assert value == "negative" and p == pytest.approx((0.4 / 0.2) / (0.6 / 0.8 + 0.4 / 0.2))
+
+
+def test_the_policy_sets_how_narrow_neutral_is_and_how_much_of_the_prior_is_divided_out() -> None:
+    asked = {q.name: q for q in questions(DocumentKind.FILING, Language.EN, "x")}
+    # The model leans 60:40 positive here and 80:20 on content-free inputs; "no evaluation" 0.7.
+    logprobs = {
+        "polarity": [math.log(0.6), math.log(0.4)],
+        "attitude": [math.log(0.3), math.log(0.7)],
+        "doubt": [0.0, -1.0],
+        "expectation": [-1.0, 0.0],
+    }
+    scored = Scored(asked, logprobs, {"polarity": [0.8, 0.2], "attitude": [0.5, 0.5]})
+    assert decide(scored, LabelPolicy(neutral_at=0.5)).polarity is Polarity.NEUTRAL
+    narrow = decide(scored, LabelPolicy(neutral_at=0.9))
+    assert narrow.polarity is Polarity.NEGATIVE  # calibrated, the lean reverses
+    assert narrow.doubt and not narrow.expectation
+    raw = decide(scored, LabelPolicy(neutral_at=0.9, polarity_calibration=0.0))
+    assert raw.polarity is Polarity.POSITIVE and raw.confidence == pytest.approx(0.6)
+    half = decide(scored, LabelPolicy(neutral_at=0.9, polarity_calibration=0.5))
+    assert half.polarity is Polarity.NEGATIVE  # 0.6/0.8**0.5 < 0.4/0.2**0.5
+    assert decide(scored, LabelPolicy(neutral_at=1.0)).polarity is not Polarity.NEUTRAL
 
 
 async def test_an_injected_complaint_is_flagged_floored_and_keeps_its_labels() -> None:
