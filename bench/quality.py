@@ -103,8 +103,8 @@ def polarity_report(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def first_of_each(rows: list[real_data.Labelled], count: int) -> list[real_data.Labelled]:
-    """The first `count` documents of each (language, label) of a sample: a larger model measured
-    on a part of the very documents the default model was measured on."""
+    """The first `count` documents of each (language, label) of a sample, shared evenly among the
+    language's sources: a larger model measured on part of the very documents the default was."""
     sources = Counter(r.language for r in {(r.language, r.source): r for r in rows}.values())
     seen: Counter[tuple[str, str]] = Counter()
     kept = []
@@ -125,14 +125,14 @@ async def labels_on(analyzer: Analyzer, docs: list[Document]) -> list[Scored]:
 def tune(rows: list[dict[str, Any]], priors: dict[str, dict[str, list[float]]]) -> list[dict[str, Any]]:
     """Every policy of a small grid applied to stored scores (no model run): the rule is chosen on
     the development split's accuracy over all its labels, neutral included."""
+    asked = {lang: {q.name: q for q in questions(DocumentKind.FILING, Language(lang), "")} for lang in priors}
     grid: list[dict[str, Any]] = []
     for weight in (0.0, 0.5, 1.0, 1.25, 1.5, 2.0):
         for neutral_at in (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0):
             policy = LabelPolicy(neutral_at=neutral_at, polarity_calibration=weight)
             decided = []
             for row in rows:
-                asked = {q.name: q for q in questions(DocumentKind.FILING, Language(row["language"]), "")}
-                scored = Scored(asked, row["scores"], priors[row["language"]])
+                scored = Scored(asked[row["language"]], row["scores"], priors[row["language"]])
                 decided.append({**row, "polarity": decide(scored, policy).polarity.value})
             grid.append({"neutral_at": neutral_at, "polarity_calibration": weight,
                          **{k: polarity_report([r for r in decided if r["language"] == k or k == "all"])
@@ -211,8 +211,7 @@ async def run(args: Any) -> dict[str, Any]:
         ]  # fmt: skip
         results["split"] = args.split
         results["policy"] = dataclasses.asdict(analyzer.policy)
-        results["priors"] = {lang: next(s.priors for s, d in zip(scored, docs, strict=True)
-                                        if d.language.value == lang) for lang in {d.language.value for d in docs}}  # fmt: skip
+        results["priors"] = {d.language.value: s.priors for s, d in zip(scored, docs, strict=True)}
         results["labels_docs_per_min"] = 60 * len(docs) / label_s
         results["polarity"] = {
             "all": polarity_report(rows),

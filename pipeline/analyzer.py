@@ -124,18 +124,26 @@ class LabelPolicy:
     polarity_calibration: float = 1.0  # share of the content-free prior divided out (0: none)
 
 
-def choose(
-    question: Question, logprobs: Sequence[float], prior: Sequence[float] | None, weight: float = 1.0
-) -> tuple[str, float]:
-    """The value whose option the model finds most likely, and its probability among the options
-    (after dividing out `prior` to the power `weight`: the model's preference without content)."""
+def probabilities(
+    logprobs: Sequence[float], prior: Sequence[float] | None, weight: float = 1.0
+) -> list[float]:
+    """Each option's probability among the options, after dividing out `prior` (the model's
+    preference without content) to the power `weight`, when given."""
     scores = list(logprobs)
     if prior is not None:
         scores = [s - weight * math.log(max(p, 1e-9)) for s, p in zip(scores, prior, strict=True)]
     top = max(scores)
     weights = [math.exp(s - top) for s in scores]
-    best = max(range(len(scores)), key=scores.__getitem__)
-    return question.values[best], weights[best] / sum(weights)
+    return [w / sum(weights) for w in weights]
+
+
+def choose(
+    question: Question, logprobs: Sequence[float], prior: Sequence[float] | None, weight: float = 1.0
+) -> tuple[str, float]:
+    """The value whose option the model finds most likely, and its probability (`probabilities`)."""
+    shares = probabilities(logprobs, prior, weight)
+    best = max(range(len(shares)), key=shares.__getitem__)
+    return question.values[best], shares[best]
 
 
 def decide(scored: Scored, policy: LabelPolicy) -> Labels:
@@ -145,9 +153,8 @@ def decide(scored: Scored, policy: LabelPolicy) -> Labels:
     side, confidence = choose(
         asked["polarity"], logprobs["polarity"], priors.get("polarity"), policy.polarity_calibration
     )
-    attitude = asked["attitude"]
-    no_attitude = choose(attitude, logprobs["attitude"], priors.get("attitude"))
-    p_none = no_attitude[1] if no_attitude[0] == "false" else 1.0 - no_attitude[1]
+    attitude = probabilities(logprobs["attitude"], priors.get("attitude"))
+    p_none = attitude[asked["attitude"].values.index("false")]
     polarity = Polarity(side)
     if p_none > policy.neutral_at:
         polarity, confidence = Polarity.NEUTRAL, p_none
