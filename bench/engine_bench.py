@@ -127,7 +127,9 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--max-batch", type=int, default=32)
-    parser.add_argument("--step-tokens", type=int, default=EngineConfig.max_tokens_per_step)
+    parser.add_argument(
+        "--step-tokens", type=int, default=EngineConfig.model_fields["max_tokens_per_step"].default
+    )
     parser.add_argument("--rate", type=float, default=0.5, help="stream arrivals per second")
     parser.add_argument(
         "--variants",

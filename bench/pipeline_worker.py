@@ -7,10 +7,11 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Sequence
+from pathlib import Path
 
 from opentelemetry.sdk.trace import TracerProvider
 
-from engine import EngineStats, GenerationResult, SamplingParams
+from engine import EngineConfig, EngineStats, GenerationResult, SamplingParams
 from pipeline.service import Service
 from pipeline.settings import load_settings
 from pipeline.telemetry import setup_telemetry
@@ -55,6 +56,10 @@ class InstantEngine:
             text=ANSWERS["zh" if prompt_ids[0] else "en"], token_ids=[0], prompt_tokens=len(prompt_ids), finish_reason="stop",
             queued_s=0.0, ttft_s=0.0, total_s=0.0, batch_size=1,
         )  # fmt: skip
+
+    @property
+    def config(self) -> EngineConfig:
+        return EngineConfig(model_path=Path("instant"))
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 Device = Literal["auto", "cpu", "cuda"]
 PrunePolicy = Literal["attention", "heuristic"]
@@ -12,50 +14,44 @@ DType = Literal["auto", "bfloat16", "float32"]  # auto: bf16 where computed nati
 KVKernel = Literal["auto", "torch"]
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    model_path: Path
-    device: Device = "auto"
-    dtype: DType = "auto"
-    dynamic_batching: bool = False  # False: one request at a time (the article's "static batch=1")
-    max_batch_size: int = 8
-    batch_window_ms: float = 150.0  # how long the first waiting request may wait for others to join
-    kv_compression: bool = False  # the compression profile below applies
-    kv_quant_bits: int = 8  # 8 or 4: quantise blocks that leave the recent window; 16: do not
-    kv_residual_tokens: int = 32  # the most recent tokens of each sequence stay full precision
-    kv_sink_tokens: int = 4  # so do the first ones (attention sinks), rounded up to whole blocks
-    kv_keep_ratio: float = 1.0  # < 1: prune each prompt to this share of its tokens once read
-    kv_prune_policy: PrunePolicy = "attention"  # SnapKV-style scores, or the article's heuristic
-    kv_observe_tokens: int = 32  # the observation window that scores (and is kept) when pruning
-    kv_kernel: KVKernel = "auto"  # auto: quantised blocks read by the C kernel on CPU (kv_native)
-    kv_cache_bytes: int | None = None  # KV pool budget; None: kv_cache_memory_fraction of free memory
-    kv_cache_memory_fraction: float = 0.2
-    block_size: int = 16  # tokens per KV block
-    max_tokens_per_step: int = 192  # prefill chunks + decodes in one forward (CPU; larger on GPU)
-    prefix_caching: bool = True  # reuse the KV blocks of a prompt prefix already computed
-    num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's default
+class EngineOptions(BaseModel):
+    """The engine's knobs an operator sets (each one an environment variable of the service, named
+    after its field): validated here, once, wherever they come from."""
 
-    def __post_init__(self) -> None:
-        if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
-        if self.batch_window_ms < 0:
-            raise ValueError(f"batch_window_ms must be >= 0, got {self.batch_window_ms}")
-        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
-            raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
-        if not 0 < self.kv_cache_memory_fraction <= 0.95:
-            raise ValueError(
-                f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction}"
-            )
-        if self.block_size < 1 or self.max_tokens_per_step < 1:
-            raise ValueError("block_size and max_tokens_per_step must be >= 1")
-        if self.kv_quant_bits not in (4, 8, 16):
-            raise ValueError(f"kv_quant_bits must be 4, 8 or 16 (none), got {self.kv_quant_bits}")
-        if not 0 < self.kv_keep_ratio <= 1 or self.kv_observe_tokens < 1:
-            raise ValueError("kv_keep_ratio must be in (0, 1] and kv_observe_tokens >= 1")
-        if self.kv_residual_tokens < 0 or self.kv_sink_tokens < 0:
-            raise ValueError("kv_residual_tokens and kv_sink_tokens must be >= 0")
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+    model_config = ConfigDict(frozen=True)
+
+    device: Device = "auto"
+    dtype: DType = "auto"  # auto: bf16 where computed natively (GPU, bf16 CPUs), else fp32
+    dynamic_batching: bool = False  # False: one request at a time (the article's "static batch=1")
+    max_batch_size: int = Field(default=8, ge=1, le=256)
+    dynamic_batch_window_ms: float = Field(
+        default=150.0, ge=0, le=10_000, description="How long the first waiting request may wait for others."
+    )
+    kv_compression: bool = False  # the compression profile below applies
+    kv_quant_bits: int = Field(default=8, description="4, 8, or 16 (no quantisation).")
+    kv_residual_tokens: int = Field(
+        default=32, ge=0, le=4096, description="Recent tokens kept full precision."
+    )
+    kv_sink_tokens: int = Field(default=4, ge=0, le=1024, description="First tokens kept full precision.")
+    kv_keep_ratio: float = Field(default=1.0, gt=0, le=1, description="Share of each prompt kept (pruning).")
+    kv_prune_policy: PrunePolicy = "attention"  # SnapKV-style scores, or the article's heuristic
+    kv_observe_tokens: int = Field(default=32, ge=1, le=1024, description="Observation window when pruning.")
+    kv_kernel: KVKernel = Field(
+        default="auto", description="auto: quantised KV blocks read by a C kernel built at start (CPU)."
+    )
+    max_tokens_per_step: int = Field(default=192, ge=1, description="Prefill chunks + decodes per forward.")
+    kv_cache_bytes: int | None = Field(
+        default=None, ge=1, description="KV pool budget; default: a share of free memory."
+    )
+    kv_cache_memory_fraction: float = Field(default=0.2, gt=0, le=0.95)
+    prefix_caching: bool = Field(default=True, description="Reuse the KV blocks of shared prompt prefixes.")
+
+    @field_validator("kv_quant_bits")
+    @classmethod
+    def _quant_bits(cls, value: int) -> int:
+        if value not in (4, 8, 16):
+            raise ValueError("must be 4, 8 or 16")
+        return value
 
     @property
     def pruning(self) -> bool:
@@ -68,6 +64,22 @@ class EngineConfig:
     @property
     def effective_batch_size(self) -> int:
         return self.max_batch_size if self.dynamic_batching else 1
+
+    def options(self) -> dict[str, Any]:
+        """These knobs alone, as keyword arguments (for `EngineConfig.of`)."""
+        return {name: getattr(self, name) for name in EngineOptions.model_fields}
+
+
+class EngineConfig(EngineOptions):
+    """What one engine runs with: the operator's options, the model, and two settings of its own."""
+
+    model_path: Path
+    block_size: int = Field(default=16, ge=1)  # tokens per KV block
+    num_threads: int | None = Field(default=None, ge=1)  # torch intra-op threads on CPU; None: torch's
+
+    @classmethod
+    def of(cls, options: EngineOptions, model_path: Path) -> EngineConfig:
+        return cls(model_path=model_path, **options.options())
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Continuous batching: every step, running sequences decode one token each, prompts are read in
 chunks within a token budget, and waiting requests join as soon as there is room. When the engine
-is idle, the first arrival waits up to `batch_window_ms` for others so a batch forms (the article's
+is idle, the first arrival waits up to `dynamic_batch_window_ms` for others so a batch forms (the article's
 window); once anything runs, newcomers join at the next step. `dynamic_batching=False` runs the
 same engine one request at a time. The model runs on one worker thread, so the event loop (Kafka,
 HTTP) never blocks on a forward pass; all scheduling state lives on the loop.
@@ -25,8 +25,8 @@ import torch
 from engine.attention import register
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, SamplingParams
-from engine.kv_cache import KVShape, build_cache
-from engine.kv_prune import heuristic_scores, select_kept, smooth
+from engine.kv_cache import KVShape
+from engine.kv_policy import CompressionConfig, Compressor, Moves, build_cache
 from engine.loader import LoadedModel, load_model
 from engine.request import (
     EngineError,
@@ -37,8 +37,9 @@ from engine.request import (
     RequestHandle,
     id_counter,
 )
-from engine.runner import ModelRunner, Moves, StepOutput
+from engine.runner import ModelRunner, StepOutput
 from engine.scheduler import Chunk, Scheduler, SchedulerConfig
+from engine.scoring import score_continuations
 from engine.sequence import Sequence, Status
 
 log = logging.getLogger(__name__)
@@ -97,22 +98,18 @@ class Engine:
         if config.prefix_caching and config.pruning:
             log.info("KV pruning is on: prefix caching is off (pruned sequences cannot share blocks)")
         self.blocks = BlockManager(num_blocks, config.block_size, prefix_caching, num_cold)
+        compression = CompressionConfig.of(config)
+        self.compressor = Compressor(compression, self.blocks, self._text_of)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_running=config.effective_batch_size,
                 max_tokens_per_step=max(config.max_tokens_per_step, config.effective_batch_size),
-                residual_tokens=config.kv_residual_tokens,
-                sink_blocks=-(-config.kv_sink_tokens // config.block_size),
-                prune_window=config.kv_observe_tokens if config.pruning else 0,
-                together_s=config.batch_window_ms / 1000 if config.dynamic_batching else 0.0,
+                prune_window=compression.prune_window,
+                together_s=config.dynamic_batch_window_ms / 1000 if config.dynamic_batching else 0.0,
             ),
             self.blocks,
         )
-        attention_pruning = config.pruning and config.kv_prune_policy == "attention"
-        self.runner = ModelRunner(
-            loaded, self.cache, self.blocks, config.kv_observe_tokens if attention_pruning else 0
-        )
-        self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # pruning moves for the next step
+        self.runner = ModelRunner(loaded, self.cache, self.blocks, compression.attention_window)
         self._token_text: dict[int, str] = {}
         self.max_context = int(getattr(loaded.model.config, "max_position_embeddings", 32768))
         self.eos_ids = _eos_ids(loaded)
@@ -236,44 +233,20 @@ class Engine:
             raise
 
     async def score(self, prompt_ids: Seq[int], continuations: Seq[str]) -> list[float]:
-        """A choice among labels, scored by the model's own distribution: for each continuation of
-        the prompt, the log-probability of its tokens up to the first one that tells it apart from
-        every other continuation (all of them, for one that begins another). The choice the model
-        would make token by token between the options is decided there; what follows is spelling.
+        """Each continuation's log-probability after the prompt, up to the token that tells it
+        apart from the others: a choice among labels by the model's own distribution (`scoring`)."""
+        return await score_continuations(self, prompt_ids, continuations)
 
-        One request reads the prompt and yields the first token's distribution, which scores every
-        continuation told apart by its first token; the others are teacher-forced on in requests of
-        their own, which find the prompt's blocks in the prefix cache and compute only the rest."""
-        encoded = [self.tokenizer.encode(text, add_special_tokens=False) for text in continuations]
-        if any(not ids for ids in encoded):
-            raise EngineError("cannot score an empty continuation")
-        needed = [_distinguishing_length(ids, encoded) for ids in encoded]
-        first: list[torch.Tensor] = []
-        await self._observe(prompt_ids, SamplingParams(max_new_tokens=1), first)
-        firsts = torch.log_softmax(first[0], dim=-1)
-        scores = [float(firsts[ids[0]]) for ids in encoded]
-        longer = [i for i, n in enumerate(needed) if n > 1]
-        rows = await asyncio.gather(*(self._forced(prompt_ids, encoded[i][: needed[i]]) for i in longer))
-        for i, rest in zip(longer, rows, strict=True):
-            scores[i] += rest
-        return scores
-
-    async def _forced(self, prompt_ids: Seq[int], ids: list[int]) -> float:
-        """Log-probability of ids[1:] after prompt + ids[0] (the first token is scored apart)."""
+    async def observe(self, prompt_ids: Seq[int], params: SamplingParams) -> list[torch.Tensor]:
+        """Runs a request and returns the fp32 logits of every token it sampled, on the CPU."""
         rows: list[torch.Tensor] = []
-        forced = SamplingParams(max_new_tokens=len(ids) - 1, forced_ids=tuple(ids[1:]), ignore_eos=True)
-        await self._observe([*prompt_ids, ids[0]], forced, rows)
-        return sum(
-            float(torch.log_softmax(row, dim=-1)[token]) for row, token in zip(rows, ids[1:], strict=True)
-        )
-
-    async def _observe(self, prompt_ids: Seq[int], params: SamplingParams, rows: list[torch.Tensor]) -> None:
         handle = self.submit(prompt_ids, params, lambda logits: rows.append(logits.float().cpu().clone()))
         try:
             await handle.result()
         except asyncio.CancelledError:
             handle.cancel()
             raise
+        return rows
 
     def stats(self) -> EngineStats:
         bytes_per_block = self.cache.bytes_per_block
@@ -309,7 +282,15 @@ class Engine:
     # -- the step loop ------------------------------------------------------------------------
 
     async def _serve(self) -> None:
-        loop = asyncio.get_running_loop()
+        while True:
+            plan = await self._next_plan()
+            moves = self.compressor.moves(self.scheduler.running)
+            output = await self._run(plan, moves)
+            if output is not None:
+                self._postprocess(plan, output, time.perf_counter())
+
+    async def _next_plan(self) -> list[Chunk]:
+        """Waits for work, holds admission while a batch forms, and returns the next step's chunks."""
         while True:
             self._drop_cancelled()
             if not self.scheduler.has_work:
@@ -322,28 +303,30 @@ class Engine:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._arrived.wait(), wait)
                 continue
-            plan = self.scheduler.schedule(admit=wait <= 0)
-            if not plan:
-                await asyncio.sleep(0)
-                continue
-            started = time.perf_counter()
+            if plan := self.scheduler.schedule(admit=wait <= 0):
+                return plan
+            await asyncio.sleep(0)
+
+    async def _run(self, plan: list[Chunk], moves: Moves) -> StepOutput | None:
+        """One forward on the worker thread; a failed step fails its sequences, not the engine."""
+        started = time.perf_counter()
+        for chunk in plan:
+            request = chunk.seq.request
+            if request.scheduled_at is None:
+                request.scheduled_at = started
+            request.batch_size = max(request.batch_size, len(plan))
+        loop = asyncio.get_running_loop()
+        try:
+            output = await loop.run_in_executor(self._executor, self.runner.step, plan, moves)
+        except Exception as exc:
+            log.exception("step of %d sequences failed", len(plan))
             for chunk in plan:
-                if chunk.seq.request.scheduled_at is None:
-                    chunk.seq.request.scheduled_at = started
-                chunk.seq.request.batch_size = max(chunk.seq.request.batch_size, len(plan))
-            moves = Moves(self._copies, self.scheduler.settle())
-            self._copies = []
-            try:
-                output = await loop.run_in_executor(self._executor, self.runner.step, plan, moves)
-            except Exception as exc:  # a failed step fails its sequences, not the engine
-                log.exception("step of %d sequences failed", len(plan))
-                for chunk in plan:
-                    self._finish(chunk.seq, None, EngineError(f"generation failed: {exc}"))
-                continue
-            self._num_steps += 1
-            self._num_scheduled += len(plan)
-            self._largest = max(self._largest, len(plan))
-            self._postprocess(plan, output, time.perf_counter())
+                self._finish(chunk.seq, None, EngineError(f"generation failed: {exc}"))
+            return None
+        self._num_steps += 1
+        self._num_scheduled += len(plan)
+        self._largest = max(self._largest, len(plan))
+        return output
 
     def _admission_wait(self) -> float:
         """Seconds to hold admission so a batch can form; <= 0 admits now."""
@@ -353,7 +336,7 @@ class Engine:
         if len(waiting) >= self.config.max_batch_size:
             return 0.0
         oldest = min(s.request.arrived_at for s in waiting)
-        return oldest + self.config.batch_window_ms / 1000 - time.perf_counter()
+        return oldest + self.config.dynamic_batch_window_ms / 1000 - time.perf_counter()
 
     def _drop_cancelled(self) -> None:
         for seq in [s for s in self._sequences.values() if s.request.cancelled]:
@@ -367,8 +350,8 @@ class Engine:
             self.scheduler.computed(chunk)
             if token is None:
                 continue
-            if self.config.pruning and not seq.pruned:
-                self._prune(seq, output.scores.get(seq.seq_id))
+            if self.compressor.wants_pruning(seq):
+                self.compressor.prune(seq, output.scores.get(seq.seq_id))
             params = seq.request.params
             if token in self.eos_ids and not params.ignore_eos:
                 self._finish(seq, "stop")
@@ -381,17 +364,6 @@ class Engine:
                 self._finish(seq, "length")
             elif seq.matcher is not None and seq.matcher.is_terminated():
                 self._finish(seq, "stop")
-
-    def _prune(self, seq: Sequence, attention: torch.Tensor | None) -> None:
-        """Its prompt is read: keep the sinks, the observation window and the best-scored rest."""
-        cached = seq.token_ids[: seq.num_cached]
-        # Attention scores, or the article's heuristic (also when the final chunk was one token).
-        scores = smooth(attention) if attention is not None else heuristic_scores(cached, self._text_of)
-        config = self.config
-        kept = select_kept(scores, config.kv_keep_ratio, config.kv_sink_tokens, config.kv_observe_tokens)
-        copy = self.scheduler.prune(seq, kept)
-        if copy is not None:
-            self._copies.append(copy)
 
     def _text_of(self, token: int) -> str:
         if token not in self._token_text:
@@ -421,16 +393,6 @@ class Engine:
         self._num_tokens += seq.num_output
         text = seq.final_text if seq.final_text is not None else self.decode(seq.output_ids)
         seq.request.finish(reason or "stop", text, time.perf_counter())
-
-
-def _distinguishing_length(ids: list[int], everyone: list[list[int]]) -> int:
-    """Tokens of `ids` up to the first that no other sequence shares at that place (all of
-    them when another sequence begins with `ids`)."""
-    others = [o for o in everyone if o is not ids]
-    for n in range(1, len(ids) + 1):
-        if not any(o[:n] == ids[:n] for o in others):
-            return n
-    return len(ids)
 
 
 def _eos_ids(loaded: LoadedModel) -> frozenset[int]:

@@ -1,9 +1,10 @@
 """The paged KV cache tensors: one flat slot array per layer for keys and one for values.
 
 Keys are stored after RoPE (the attention function receives rotated keys), so a cached token
-keeps its position. Sized from a byte budget with exact accounting. With KV compression, a
-`ColdStore` of quantised blocks sits beside the full-precision slots (see `kv_quant`), read by the
-native kernel on CPU (`kv_native`) and by torch elsewhere.
+keeps its position. Exact byte accounting; how many blocks of each kind a budget buys is
+`kv_policy`'s decision. With KV compression, a `ColdStore` of quantised blocks sits beside the
+full-precision slots (see `kv_quant`), read by the native kernel on CPU (`kv_native`) and by
+torch elsewhere.
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import kv_native
-from engine.config import EngineConfig
 from engine.kv_native import NativeKernel
 from engine.kv_quant import QuantFormat, StoredLayer, quantize_keys, quantize_values, read_rows, to_storage
 
@@ -184,6 +183,17 @@ class KVCache:
         values = self.values.view(blocked).index_select(1, hot)
         self.cold.store(keys, values, cold - self.num_blocks)
 
+    def locate(self, table: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """Where a sequence's first `num_tokens` cached tokens lie: its full-precision slots, and
+        its quantised blocks (store ids) with the tokens they hold (None, 0 without a store)."""
+        slots = slots_of(table, num_tokens, self.block_size)
+        if self.cold is None:
+            return slots, None, 0
+        blocks = torch.tensor(table[: -(-num_tokens // self.block_size)], dtype=torch.long)
+        cold = blocks[blocks >= self.num_blocks] - self.num_blocks
+        slots = slots[slots < self.num_slots]  # quantised blocks' slots lie beyond
+        return slots, cold, int(cold.numel()) * self.block_size
+
     def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Stores the step's new tokens: `slots` (T,), key/value (T, KVH, D)."""
         self.keys[layer].index_copy_(0, slots, key.to(self.keys.dtype))
@@ -218,38 +228,3 @@ def slots_of(table: list[int], num_tokens: int, block_size: int, start: int = 0)
     slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()  # (nb * bs,)
     offset = start - start // block_size * block_size
     return slots[offset : offset + num_tokens - start]
-
-
-def pool_budget(config: EngineConfig, device: torch.device) -> int:
-    """The KV byte budget: KV_CACHE_BYTES, else a share of free memory."""
-    if config.kv_cache_bytes is not None:
-        return config.kv_cache_bytes
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-    else:
-        import psutil
-
-        free = psutil.virtual_memory().available
-    return int(free * config.kv_cache_memory_fraction)
-
-
-def build_cache(config: EngineConfig, shape: KVShape, device: torch.device) -> KVCache:
-    """The pool for the byte budget. Uncompressed: all full-precision blocks. Compressed: enough
-    full-precision blocks for every running sequence's sinks, recent window and one step's
-    prompt chunk, the rest of the budget as quantised blocks."""
-    budget, size = pool_budget(config, device), config.block_size
-    hot_bytes = shape.bytes_per_token * size
-    if not config.quantising:
-        return KVCache(shape, max(1, budget // hot_bytes), size, device)
-    fmt = QuantFormat(config.kv_quant_bits)
-    per_seq = -(-config.kv_sink_tokens // size) + -(-config.kv_residual_tokens // size) + 2
-    hot_needed = config.effective_batch_size * per_seq + -(-config.max_tokens_per_step // size)
-    if config.pruning:  # prompts stay full precision until they are scored: room for a few long ones
-        hot_needed += -(-4096 // size)
-    hot = min(max(1, budget // hot_bytes), hot_needed)
-    cold = max(0, budget - hot * hot_bytes) // ColdStore.bytes_per_block(shape, fmt, size)
-    if not cold:
-        return KVCache(shape, hot, size, device)
-    native = config.kv_kernel == "auto" and device.type == "cpu" and shape.dtype in kv_native.DTYPES
-    kernel = kv_native.load() if native else None
-    return KVCache(shape, hot, size, device, ColdStore(shape, fmt, cold, size, device, kernel))

@@ -106,23 +106,6 @@ def quantize_values(values: torch.Tensor, fmt: QuantFormat) -> Quantized:
     return codes, scale.squeeze(-1), low.squeeze(-1)
 
 
-def dequantize_keys(
-    codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, fmt: QuantFormat
-) -> torch.Tensor:
-    """codes (..., block_size, KVH, C), scale/min (..., KVH, D) -> keys (..., block_size, KVH, D)."""
-    # Computed in fp32 and cast once: on CPU a bf16 multiply-add converts each operand anyway.
-    keys = torch.addcmul(low.unsqueeze(-3).float(), unpack(codes, fmt).float(), scale.unsqueeze(-3).float())
-    return keys.to(scale.dtype)
-
-
-def dequantize_values(
-    codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, fmt: QuantFormat
-) -> torch.Tensor:
-    """codes (..., KVH, C), scale/min (..., KVH) -> values (..., KVH, D)."""
-    values = unpack(codes, fmt).float().mul_(scale.unsqueeze(-1).float()).add_(low.unsqueeze(-1).float())
-    return values.to(scale.dtype)
-
-
 class StoredLayer(NamedTuple):
     """One layer of a quantised store, as `ColdStore` keeps it, rows being (block, KV head).
     Every element reads as `centred code * scale + offset`, the offset being min + zero * scale."""

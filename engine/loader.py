@@ -1,7 +1,7 @@
 """Loads a local Hugging Face causal LM folder onto the chosen device and dtype.
 
 Owns device/dtype selection and the clear errors a user sees for a missing or wrong model path.
-Knows nothing of where the folder came from (see `engine.weights` for the default model).
+Knows nothing of where the folder came from (see `pipeline.bundled_models` for the default model).
 """
 
 from __future__ import annotations

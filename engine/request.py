@@ -91,7 +91,10 @@ class Request:
 
     def fail(self, exc: BaseException) -> None:
         if not self.done.done():
-            self.done.set_exception(exc)
+            if self.cancelled:  # its caller has gone: nobody would retrieve the error (asyncio logs it)
+                self.done.cancel()
+            else:
+                self.done.set_exception(exc)
         self.tokens.put_nowait(None)
 
 

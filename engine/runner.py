@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -18,18 +18,10 @@ from engine.attention import SeqSlice, StepBatch, group_decodes
 from engine.block_manager import BlockManager
 from engine.grammar import GrammarCompiler, allocate_bitmask, apply_bitmask
 from engine.kv_cache import KVCache, slots_of
+from engine.kv_policy import Moves
 from engine.loader import LoadedModel
 from engine.scheduler import Chunk
 from engine.sequence import Sequence
-
-
-@dataclass(frozen=True)
-class Moves:
-    """KV data to move before a step's forward: (source slots, destination slots) copies for
-    pruned sequences, then (hot, cold) blocks to quantise."""
-
-    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    settle: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -81,16 +73,15 @@ class ModelRunner:
         block tables, and no block freed by that is reused before this step has run. Chunks
         whose sequence is to be pruned (`observe`) get their keys' scores in `scores` by seq id."""
         moves = moves or Moves()
-        for source, destination in moves.copies:
+        for copy in moves.copies:
+            source, destination = (
+                torch.tensor(slots, dtype=torch.long, device=self.device) for slots in copy
+            )
             self.cache.keys[:, destination] = self.cache.keys[:, source]
             self.cache.values[:, destination] = self.cache.values[:, source]
-        settle = moves.settle
-        if settle:
-            hot, cold = zip(*settle, strict=True)
-            self.cache.settle(
-                torch.tensor(hot, dtype=torch.long, device=self.device),
-                torch.tensor(cold, dtype=torch.long, device=self.device),
-            )
+        if moves.settle:
+            pairs = torch.tensor(moves.settle, dtype=torch.long, device=self.device)  # (n, 2): hot, cold
+            self.cache.settle(pairs[:, 0], pairs[:, 1])
         ids: list[int] = []
         positions: list[int] = []
         new_slots: list[torch.Tensor] = []
@@ -102,7 +93,11 @@ class ModelRunner:
             end = chunk.start + chunk.num_tokens
             table = self.blocks.table(seq.seq_id)
             observe = self.observe if chunk.samples and not seq.pruned and chunk.num_tokens > 1 else 0
-            seqs.append(self._slice(len(ids), chunk.num_tokens, table, end - seq.num_dropped, observe))
+            slots, cold, cold_tokens = self.cache.locate(table, end - seq.num_dropped)
+            cold = None if cold is None else cold.to(self.device)
+            seqs.append(
+                SeqSlice(len(ids), chunk.num_tokens, slots.to(self.device), cold, cold_tokens, observe)
+            )
             if observe:
                 step_scores[len(ids)] = torch.zeros(end - seq.num_dropped, device=self.device)
             ids += seq.token_ids[chunk.start : end]
@@ -136,24 +131,6 @@ class ModelRunner:
             scores.update({starts[start]: value.cpu() for start, value in step_scores.items()})
         logits: torch.Tensor = out.logits[0].float()  # (S, V): one row per sampling chunk
         return logits
-
-    def _slice(self, q_start: int, q_len: int, table: list[int], end: int, observe: int) -> SeqSlice:
-        """Where a sequence's first `end` cached tokens are: full-precision slots and quantised blocks."""
-        slots = slots_of(table, end, self.block_size)
-        if self.cache.cold is None:
-            return SeqSlice(q_start, q_len, slots.to(self.device), observe=observe)
-        hot = self.cache.num_blocks
-        blocks = torch.tensor(table[: -(-end // self.block_size)], dtype=torch.long)
-        cold = blocks[blocks >= hot] - hot
-        slots = slots[slots < hot * self.block_size]  # quantised blocks' slots lie beyond
-        return SeqSlice(
-            q_start,
-            q_len,
-            slots.to(self.device),
-            cold.to(self.device),
-            int(cold.numel()) * self.block_size,
-            observe,
-        )
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         logits = logits[:, : self.vocab_size]

@@ -16,7 +16,8 @@ are freed and it goes back to the front of the queue to be recomputed later, onc
 the free blocks (its generated tokens are kept, so its output does not change; a pruned sequence
 is recomputed in full and pruned again). A joining sequence first adopts the cached blocks of its
 longest known prefix (see `BlockManager.adopt_prefix`) and prefills only the rest.
-Bookkeeping over `BlockManager`: no model tensors (index tensors for pruning moves only).
+Bookkeeping over `BlockManager`, no tensors. What KV compression quantises or drops is
+`kv_policy`'s decision; the scheduler only keeps a pruned prompt's observation window whole.
 """
 
 from __future__ import annotations
@@ -24,10 +25,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-import torch
-
 from engine.block_manager import BlockManager
-from engine.kv_cache import slots_of
 from engine.sequence import Sequence, Status
 
 
@@ -35,8 +33,6 @@ from engine.sequence import Sequence, Status
 class SchedulerConfig:
     max_running: int
     max_tokens_per_step: int
-    residual_tokens: int = 32  # with quantised blocks: the most recent tokens stay full precision
-    sink_blocks: int = 1  # and so do the first blocks (attention sinks)
     prune_window: int = 0  # with KV pruning: the observation window every final prompt chunk holds
     together_s: float = 0.0  # requests arriving within this of each other form one batch (the window)
 
@@ -88,24 +84,6 @@ class Scheduler:
         seq.num_computed = chunk.start + chunk.num_tokens
         if not seq.num_dropped:
             self.blocks.register(seq.seq_id, seq.token_ids, seq.num_computed)
-
-    def prune(self, seq: Sequence, kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Keeps only the cached tokens at indices `kept` (sorted), compacted to the front of its
-        blocks, the rest released; (source, destination) slots for the runner to copy, or None if
-        nothing moves. A shared block must not be overwritten: such a sequence (none while pruning
-        turns prefix caching off) keeps everything."""
-        seq.pruned = True
-        total = seq.num_cached
-        if kept.numel() >= total or not self.blocks.is_private(seq.seq_id):
-            return None
-        size, count = self.blocks.block_size, int(kept.numel())
-        table = self.blocks.table(seq.seq_id)
-        source = slots_of(table, total, size)[kept]
-        destination = slots_of(table, count, size)  # compact in place: kept index i moves to i (<= its own)
-        self.blocks.truncate(seq.seq_id, count)
-        seq.num_dropped += total - count
-        seq.num_settled_blocks = 0
-        return source, destination
 
     def schedule(self, admit: bool) -> list[Chunk]:
         while True:
@@ -191,41 +169,6 @@ class Scheduler:
         if seq.status is Status.WAITING:
             return seq.num_pending - self.blocks.cached_prefix(seq.token_ids, seq.prefix_keys)
         return seq.num_pending
-
-    def settle(self) -> list[tuple[int, int]]:
-        """Moves full blocks that left the recent-token window to quantised storage while cold
-        blocks are free; the (hot, cold) pairs to copy. Sink blocks stay; a block shared by
-        several sequences (an adopted prefix) moves once it has left every sharer's window."""
-        moves: list[tuple[int, int]] = []
-        if not self.blocks.num_cold_blocks:
-            return moves
-        holders: dict[int, list[tuple[int, int]]] = {}  # hot block -> (sequence, index) of each user
-        in_window: set[int] = set()  # hot blocks some user still needs in full precision
-        for seq in self.running:
-            table = self.blocks.table(seq.seq_id)
-            if self.config.prune_window and not seq.pruned:
-                limit = 0  # its prompt is still read in full precision, to be scored and pruned
-            else:
-                limit = (seq.num_cached - self.config.residual_tokens) // self.blocks.block_size
-            first = max(seq.num_settled_blocks, self.config.sink_blocks)
-            for index in range(first, len(table)):
-                block = table[index]
-                if not self.blocks.is_cold(block):
-                    holders.setdefault(block, []).append((seq.seq_id, index))
-                    if index >= limit:
-                        in_window.add(block)
-        for block, where in holders.items():
-            if not self.blocks.num_free_cold:
-                break
-            if block not in in_window and (cold := self.blocks.settle(block, where)) is not None:
-                moves.append((block, cold))
-        for seq in self.running:  # skip what is settled; a block still hot is looked at again
-            table = self.blocks.table(seq.seq_id)
-            index = max(seq.num_settled_blocks, self.config.sink_blocks)
-            while index < len(table) and self.blocks.is_cold(table[index]):
-                index += 1
-            seq.num_settled_blocks = index
-        return moves
 
     def _take(self, seq: Sequence, n: int) -> Chunk:
         self.blocks.allocate(seq.seq_id, seq.num_cached + n)

@@ -52,7 +52,7 @@ async def _check(architecture: Architecture, device: torch.device) -> None:
     tiny = build_tiny(architecture, device=device)
     config = EngineConfig(
         model_path=Path("tiny"), dtype="float32", dynamic_batching=True, max_batch_size=3,
-        batch_window_ms=5, kv_cache_bytes=1 << 22, max_tokens_per_step=8,
+        dynamic_batch_window_ms=5, kv_cache_bytes=1 << 22, max_tokens_per_step=8,
     )  # fmt: skip
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     async with Engine(config, tiny) as engine:

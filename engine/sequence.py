@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from engine.request import Request
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Status(Enum):

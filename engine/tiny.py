@@ -6,7 +6,6 @@ engine touches, at a size that runs in milliseconds on a CPU.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -87,11 +86,3 @@ def build_tiny(
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, architecture).to(device=device, dtype=dtype)
     return LoadedModel(model, tokenizer, model_id=f"tiny-{architecture}", device=device, dtype=dtype)
-
-
-def save_tiny(folder: Path, architecture: Architecture = "qwen2") -> Path:
-    """Writes a tiny model folder that `engine.loader.load_model` accepts (for MODEL_PATH tests)."""
-    loaded = build_tiny(architecture)
-    loaded.model.save_pretrained(folder)
-    loaded.tokenizer.save_pretrained(folder)
-    return folder

@@ -25,7 +25,7 @@ from typing import Protocol
 
 from opentelemetry import trace
 
-from engine import EngineError, EngineStats, GenerationResult, SamplingParams
+from engine import EngineConfig, EngineError, EngineStats, GenerationResult, SamplingParams
 from pipeline.codec import Document
 from pipeline.telemetry import record_generation
 from pipeline.triage import apply_floor, safety_signals
@@ -58,6 +58,9 @@ from schemas import (
 class AnalysisEngine(Protocol):
     @property
     def model_id(self) -> str: ...
+
+    @property
+    def config(self) -> EngineConfig: ...
 
     def format_chat(self, messages: Sequence[dict[str, str]]) -> list[int]: ...
 

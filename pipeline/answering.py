@@ -50,10 +50,10 @@ class Answerer:
         self.analyzer = analyzer
         self.metrics = metrics
         self.counters = counters
-        self.engine_settings = EngineSettings(
-            dynamic_batching=settings.dynamic_batching,
-            kv_compression=settings.kv_compression,
-            max_batch_size=settings.max_batch_size,
+        self.engine_settings = EngineSettings(  # what the engine runs, as events report it
+            dynamic_batching=engine.config.dynamic_batching,
+            kv_compression=engine.config.kv_compression,
+            max_batch_size=engine.config.max_batch_size,
         )
 
     def dead_letter(

@@ -13,17 +13,15 @@ from pathlib import Path
 
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
-from engine import Engine, EngineConfig
-from engine.loader import select_device
-from engine.selftest import self_test
-from engine.weights import MODELS, is_prepared, model_folder, prepare_model
+from engine import Engine, select_device, self_test
 from pipeline.answers import AnswerHub
+from pipeline.bundled_models import MODELS, is_prepared, model_folder, prepare_model
+from pipeline.front import Front, router
 from pipeline.http import serve_status
 from pipeline.http_guard import HttpGuard
 from pipeline.service import Service
 from pipeline.settings import Settings
 from pipeline.telemetry import Telemetry, setup_telemetry
-from pipeline.web import Front, router
 
 log = logging.getLogger(__name__)
 
@@ -49,29 +47,6 @@ def resolve_model_path(settings: Settings) -> Path:
         return folder
     with _progress_bar(model.name) as progress:
         return prepare_model(model.name, settings.model_cache_dir, progress)
-
-
-def engine_config(settings: Settings, model_path: Path) -> EngineConfig:
-    return EngineConfig(
-        model_path=model_path,
-        device=settings.device,
-        dtype=settings.dtype,
-        dynamic_batching=settings.dynamic_batching,
-        max_batch_size=settings.max_batch_size,
-        batch_window_ms=settings.dynamic_batch_window_ms,
-        kv_compression=settings.kv_compression,
-        kv_quant_bits=settings.kv_quant_bits,
-        kv_residual_tokens=settings.kv_residual_tokens,
-        kv_sink_tokens=settings.kv_sink_tokens,
-        kv_keep_ratio=settings.kv_keep_ratio,
-        kv_prune_policy=settings.kv_prune_policy,
-        kv_observe_tokens=settings.kv_observe_tokens,
-        kv_kernel=settings.kv_kernel,
-        kv_cache_bytes=settings.kv_cache_bytes,
-        kv_cache_memory_fraction=settings.kv_cache_memory_fraction,
-        max_tokens_per_step=settings.max_tokens_per_step,
-        prefix_caching=settings.prefix_caching,
-    )
 
 
 async def serve(
@@ -105,7 +80,7 @@ async def _serve(
     model_path = await asyncio.to_thread(resolve_model_path, settings)
     if _stopped(stop, "finding the model"):
         return
-    engine = await asyncio.to_thread(Engine.from_config, engine_config(settings, model_path))
+    engine = await asyncio.to_thread(Engine.from_config, settings.engine_config(model_path))
     if _stopped(stop, "loading the model"):
         return
     async with engine:

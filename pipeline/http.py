@@ -1,5 +1,5 @@
 """The service's HTTP server: `GET /api/status` (JSON), `GET /healthz`, `GET /metrics` (Prometheus),
-`GET /openapi.json`, and, given the front end's router, the pages and their API (`pipeline.web`).
+`GET /openapi.json`, and, given the front end's router, the pages and their API (`pipeline.front`).
 
 Binds to 127.0.0.1 unless configured; beyond loopback only with a token (`pipeline.http_guard`
 checks Host, token and bodies). Connections end when idle (HTTP_KEEP_ALIVE_S), when their request
@@ -44,7 +44,7 @@ def create_app(
     # No Swagger UI or ReDoc pages: they load their scripts from a CDN. The schema is at /openapi.json.
     app = FastAPI(title="DeepAnalyze", version="0.1.0", docs_url=None, redoc_url=None)
     if web is not None:
-        from pipeline.web import STATIC
+        from pipeline.front import STATIC
 
         app.include_router(web, responses=refusals)
         app.mount("/static", StaticFiles(directory=STATIC), name="static")

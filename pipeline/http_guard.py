@@ -4,7 +4,7 @@
 Content-Length before a byte is read) or slower than HTTP_BODY_TIMEOUT_S (408). Also the login
 page that sets the session cookie, and 422s that JSON can carry.
 
-Does not own the routes (`pipeline.http`, `pipeline.web`) nor the connection timeouts (uvicorn's
+Does not own the routes (`pipeline.http`, `pipeline.front`) nor the connection timeouts (uvicorn's
 protocol, configured in `pipeline.http`).
 """
 

@@ -41,12 +41,15 @@ def client_options(settings: Settings) -> dict[str, Any]:
     return options
 
 
-def make_producer(settings: Settings) -> AIOKafkaProducer:
-    # acks=all: an answer counts as delivered only once every in-sync replica has it. Not
+def make_producer(settings: Settings, **overrides: Any) -> AIOKafkaProducer:
+    """Every plain producer of the service (answers, the pages' documents); `overrides` change
+    one client option (a timeout, the linger)."""
+    # acks=all: a record counts as delivered only once every in-sync replica has it. Not
     # idempotent: the Tansu fallback rejects idempotent producers, and a retried send's duplicate
     # is harmless (same event_id). PROCESSING_GUARANTEE=exactly_once uses transactional producers
     # (pipeline/transactions.py) for the answers instead.
-    return AIOKafkaProducer(**client_options(settings), acks="all", enable_idempotence=False, linger_ms=5)
+    options = client_options(settings) | {"acks": "all", "enable_idempotence": False, "linger_ms": 5}
+    return AIOKafkaProducer(**(options | overrides))
 
 
 def make_consumer(settings: Settings, *topics: str, grouped: bool = True) -> AIOKafkaConsumer:

@@ -33,18 +33,18 @@ from opentelemetry import trace
 
 from pipeline.analyzer import AnalysisEngine, Analyzer
 from pipeline.answering import Answerer, Counters
-from pipeline.codec import RawRecord
+from pipeline.delivery import Delivery
 from pipeline.fetch import Fetcher, Unreadable
 from pipeline.kafka import ensure_topics, make_consumer, make_producer, wait_for_broker
 from pipeline.metrics import Metrics, Snapshot
 from pipeline.offsets import OffsetTracker
-from pipeline.publish import AnswerRejected, Publisher, PublishError
+from pipeline.publish import Publisher, PublishError
 from pipeline.settings import Settings
 from pipeline.status import status_report
-from pipeline.telemetry import Telemetry, extract_context
+from pipeline.telemetry import Telemetry, process_span
 from pipeline.transactions import TransactionalOutbox
 from pipeline.watch import ClusterWatch
-from schemas import AnalysisEvent, DeadLetter, DeadLetterReason
+from schemas import AnalysisEvent, DeadLetter
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class Service:
         self.is_ready = False
         self._preparing: asyncio.Task[None] | None = None
         self._consumer: AIOKafkaConsumer | None = None
-        self._publisher: Publisher | None = None
+        self._delivery: Delivery | None = None
         self.outbox: TransactionalOutbox | None = None  # PROCESSING_GUARANTEE=exactly_once
         self._tasks: set[asyncio.Task[None]] = set()
         self._fatal: BaseException | None = None
@@ -176,9 +176,10 @@ class Service:
         try:
             if not await _unless_stopped(stop, producer.start()):
                 return
-            self._publisher = Publisher(producer, self.settings, self.tracer)
             if self.settings.processing_guarantee == "exactly_once":
                 self.outbox = TransactionalOutbox(self.settings, self.tracer)
+            publisher = Publisher(producer, self.settings, self.tracer)
+            self._delivery = Delivery(self.answerer, self.counters, publisher, self.outbox)
             consumer.subscribe(list(self.settings.input_topics), listener=_Rebalance(self))
             if not await _unless_stopped(stop, consumer.start()):
                 return
@@ -331,26 +332,12 @@ class Service:
         fetched: int,
     ) -> None:
         raw, refusal = self.answerer.read(record)
-        attributes: dict[str, str | int] = {
-            "messaging.system": "kafka",
-            "messaging.operation.type": "process",
-            "messaging.operation.name": "process",
-            "messaging.destination.name": raw.topic,
-            "messaging.destination.partition.id": str(raw.partition),
-            "messaging.consumer.group.name": self.settings.consumer_group,
-            "messaging.kafka.offset": raw.offset,
-            "messaging.batch.message_count": fetched,  # records in the poll that brought it
-            "messaging.message.body.size": len(raw.value or b""),
-        }
-        with self.tracer.start_as_current_span(
-            f"process {raw.topic}",
-            context=extract_context(raw.headers),
-            kind=trace.SpanKind.CONSUMER,
-            attributes=attributes,
-        ) as span:
+        if self._delivery is None:
+            raise RuntimeError("a record handled before start")
+        with process_span(self.tracer, raw, self.settings.consumer_group, fetched) as span:
             answer = await self.answerer.answer(raw, consumed_at, refusal)
             try:
-                answer = await self._deliver(raw, answer)
+                answer = await self._delivery.deliver(raw, answer)
             except PublishError as exc:
                 span.record_exception(exc)
                 span.set_status(trace.StatusCode.ERROR, str(exc))
@@ -363,56 +350,6 @@ class Service:
         self.metrics.documents.add(1, {"outcome": outcome})
         self.metrics.duration.record(time.perf_counter() - consumed_at, {"outcome": outcome})
         self.tracker.mark_done(tp, raw.offset)
-
-    async def _deliver(
-        self, raw: RawRecord, answer: AnalysisEvent | DeadLetter
-    ) -> AnalysisEvent | DeadLetter:
-        """Publishes the answer; if the broker refuses it for what it is (its size), a dead letter
-        without the original bytes instead. Returns what was published; PublishError if nothing."""
-        try:
-            await self._publish(raw, answer)
-        except AnswerRejected as exc:
-            log.warning("answer to %s[%d]@%d refused: %s", raw.topic, raw.partition, raw.offset, exc)
-            if isinstance(answer, AnalysisEvent):
-                self.counters.failed += 1
-            small = self.answerer.dead_letter(
-                raw,
-                DeadLetterReason.ANSWER_REJECTED,
-                str(exc),
-                document_id=answer.document_id,
-                keep_value=False,
-            )
-        else:
-            return answer
-        try:
-            await self._publish(raw, small)
-        except AnswerRejected as exc:  # even a small dead letter: the topic itself is misconfigured
-            raise PublishError(
-                f"the dead-letter topic refuses a {len(small.model_dump_json())}-byte record"
-            ) from exc
-        return small
-
-    async def _publish(self, raw: RawRecord, answer: AnalysisEvent | DeadLetter) -> None:
-        """Publishes the answer now, or under exactly_once stages it for its partition's next
-        transaction (AnswerRejected either way when it is too large)."""
-        if self.outbox is not None:
-            tp = TopicPartition(raw.topic, raw.partition)
-            self.outbox.stage(tp, raw.offset, answer, lambda reason: self._refused(raw, answer, reason))
-        elif self._publisher is None:
-            raise RuntimeError("publish before start")
-        else:
-            await self._publisher.publish(answer)
-        if isinstance(answer, AnalysisEvent):
-            self.counters.processed += 1
-        else:
-            self.counters.dead_lettered += 1
-
-    def _refused(self, raw: RawRecord, answer: AnalysisEvent | DeadLetter, reason: str) -> DeadLetter:
-        """The small dead letter published instead of an answer the broker refused."""
-        log.warning("answer to %s[%d]@%d refused: %s", raw.topic, raw.partition, raw.offset, reason)
-        return self.answerer.dead_letter(
-            raw, DeadLetterReason.ANSWER_REJECTED, reason, document_id=answer.document_id, keep_value=False
-        )
 
 
 async def _unless_stopped(stop: asyncio.Event, step: Any) -> bool:

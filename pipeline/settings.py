@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from engine.config import EngineConfig, EngineOptions
 from schemas import DocumentKind
 
 
@@ -25,7 +26,7 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "deepanalyze"
 
 
-class Settings(BaseSettings):
+class Settings(BaseSettings, EngineOptions):
     model_config = SettingsConfigDict(env_prefix="", case_sensitive=False, extra="ignore", frozen=True)
 
     # Kafka
@@ -79,36 +80,15 @@ class Settings(BaseSettings):
 
     # Model and engine: the article's three switches, plus where the model lives.
     model_path: Path | None = None  # None: the bundled MODEL, converted once into the cache
-    # The bundled models of `engine.weights.MODELS` (listed here so that reading the settings does
+    # The bundled models of `pipeline.bundled_models.MODELS` (listed here so that reading the settings does
     # not import torch; a test keeps the two lists equal). MODEL_PATH, when set, wins.
     model: Literal["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"] = Field(
         default="qwen2.5-coder-0.5b",
         description="Bundled model when MODEL_PATH is unset; qwen2.5-coder-1.5b needs `make model-large`.",
     )
     model_cache_dir: Path = Field(default_factory=default_cache_dir)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    dtype: Literal["auto", "bfloat16", "float32"] = "auto"  # auto: bf16 on GPU / bf16 CPUs, else fp32
-    dynamic_batching: bool = False
-    kv_compression: bool = False
-    kv_quant_bits: int = Field(default=8, description="4, 8, or 16 (no quantisation).")
-    kv_residual_tokens: int = Field(
-        default=32, ge=0, le=4096, description="Recent tokens kept full precision."
-    )
-    kv_sink_tokens: int = Field(default=4, ge=0, le=1024, description="First tokens kept full precision.")
-    kv_keep_ratio: float = Field(default=1.0, gt=0, le=1, description="Share of each prompt kept (pruning).")
-    kv_prune_policy: Literal["attention", "heuristic"] = "attention"
-    kv_observe_tokens: int = Field(default=32, ge=1, le=1024, description="Observation window when pruning.")
-    kv_kernel: Literal["auto", "torch"] = Field(
-        default="auto", description="auto: quantised KV blocks read by a C kernel built at start (CPU)."
-    )
-    max_batch_size: int = Field(default=8, ge=1, le=256)
-    dynamic_batch_window_ms: float = Field(default=150.0, ge=0, le=10_000)
-    max_tokens_per_step: int = Field(default=192, ge=1, description="Prefill chunks + decodes per forward.")
-    kv_cache_bytes: int | None = Field(
-        default=None, ge=1, description="KV pool budget; default: a share of free memory."
-    )
-    kv_cache_memory_fraction: float = Field(default=0.2, gt=0, le=0.95)
-    prefix_caching: bool = Field(default=True, description="Reuse the KV blocks of shared prompt prefixes.")
+    # The engine's knobs (DYNAMIC_BATCHING, MAX_BATCH_SIZE, KV_COMPRESSION, ...) are the fields
+    # of `EngineOptions`, inherited: declared and validated in one place, the engine's.
     max_new_tokens: int = Field(default=1024, ge=16, le=8192)
     max_document_chars: int = Field(default=8_000, ge=1)
     dead_letter_max_value_bytes: int = Field(
@@ -157,13 +137,6 @@ class Settings(BaseSettings):
 
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
-    @field_validator("kv_quant_bits")
-    @classmethod
-    def _quant_bits(cls, value: int) -> int:
-        if value not in (4, 8, 16):
-            raise ValueError("must be 4, 8 or 16")
-        return value
-
     @field_validator("kafka_bootstrap_servers")
     @classmethod
     def _servers_not_empty(cls, value: str) -> str:
@@ -175,6 +148,10 @@ class Settings(BaseSettings):
             if not sep or not host or not port.isdigit():
                 raise ValueError(f"{server!r} is not host:port")
         return ",".join(servers)
+
+    def engine_config(self, model_path: Path) -> EngineConfig:
+        """The engine's configuration: these settings' engine options and the model found."""
+        return EngineConfig.of(self, model_path)
 
     @property
     def input_topics(self) -> dict[str, DocumentKind]:

@@ -10,24 +10,24 @@ if TYPE_CHECKING:
 
 
 def status_report(service: Service) -> dict[str, Any]:
-    stats = service.engine.stats()
+    stats, config = service.engine.stats(), service.engine.config  # what the engine runs
     return {
         "status": "ready" if service.is_ready else "starting",
         "grammars_ready": service.grammars_ready,
-        "dynamic_batching": service.settings.dynamic_batching,
+        "dynamic_batching": config.dynamic_batching,
         "kv_compression": stats.kv_compression,
         "kv_profile": {
             "quant_bits": stats.kv_quant_bits,
-            "residual_tokens": service.settings.kv_residual_tokens,
-            "sink_tokens": service.settings.kv_sink_tokens,
-            "keep_ratio": service.settings.kv_keep_ratio,
-            "prune_policy": service.settings.kv_prune_policy,
+            "residual_tokens": config.kv_residual_tokens,
+            "sink_tokens": config.kv_sink_tokens,
+            "keep_ratio": config.kv_keep_ratio,
+            "prune_policy": config.kv_prune_policy,
             "reader": stats.kv_reader,
         }
         if stats.kv_compression
         else None,
-        "max_batch_size": service.settings.max_batch_size,
-        "dynamic_batch_window_ms": service.settings.dynamic_batch_window_ms,
+        "max_batch_size": config.max_batch_size,
+        "dynamic_batch_window_ms": config.dynamic_batch_window_ms,
         "model": stats.model_id,
         "device": stats.device,
         "dtype": stats.dtype,

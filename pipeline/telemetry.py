@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from engine import GenerationResult
+from pipeline.codec import RawRecord
 from pipeline.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -123,3 +125,27 @@ def record_generation(
         attributes: dict[str, str | int] = {**usage, "gen_ai.request.model": model_id}
         tracer.start_span(name, context=inside, start_time=start, attributes=attributes).end(end_time=end)
     generate.end(end_time=finished_ns)
+
+
+def process_span(
+    tracer: trace.Tracer, raw: RawRecord, group: str, fetched: int
+) -> AbstractContextManager[trace.Span]:
+    """The consumer span of one record's processing, a child of the producer's trace (its
+    `traceparent` header), with the messaging conventions' attributes."""
+    attributes: dict[str, str | int] = {
+        "messaging.system": "kafka",
+        "messaging.operation.type": "process",
+        "messaging.operation.name": "process",
+        "messaging.destination.name": raw.topic,
+        "messaging.destination.partition.id": str(raw.partition),
+        "messaging.consumer.group.name": group,
+        "messaging.kafka.offset": raw.offset,
+        "messaging.batch.message_count": fetched,  # records in the poll that brought it
+        "messaging.message.body.size": len(raw.value or b""),
+    }
+    return tracer.start_as_current_span(
+        f"process {raw.topic}",
+        context=extract_context(raw.headers),
+        kind=trace.SpanKind.CONSUMER,
+        attributes=attributes,
+    )

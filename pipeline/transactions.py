@@ -27,7 +27,7 @@ from aiokafka.errors import KafkaError, ProducerFenced
 from aiokafka.structs import TopicPartition
 from opentelemetry import trace
 
-from pipeline.kafka import client_options
+from pipeline.kafka import make_producer
 from pipeline.publish import JSON_HEADERS, RECORD_ERRORS, PublishError, answer_record
 from pipeline.settings import Settings
 from schemas import AnalysisEvent, DeadLetter
@@ -52,12 +52,10 @@ class _Staged:
 
 
 def make_transactional_producer(settings: Settings, transactional_id: str) -> AIOKafkaProducer:
-    return AIOKafkaProducer(
-        **client_options(settings),
+    return make_producer(
+        settings,
         transactional_id=transactional_id,
         enable_idempotence=True,
-        acks="all",
-        linger_ms=5,
         max_request_size=settings.max_message_bytes + 64 * 1024,
     )
 

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from engine import Engine
-from pipeline.app import engine_config, resolve_model_path
+from pipeline.app import resolve_model_path
 from pipeline.client import collect_answers, load_documents, publish_documents
 from pipeline.demo import sample_paths
 from pipeline.kafka import ensure_topics
@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.model]
 
 async def test_default_model_analyses_bundled_samples(settings: Settings, telemetry: Telemetry) -> None:
     settings = Settings(**{**settings.model_dump(), "dynamic_batching": True, "max_batch_size": 4})
-    config = engine_config(settings, resolve_model_path(settings))
+    config = settings.engine_config(resolve_model_path(settings))
     engine = await asyncio.to_thread(Engine.from_config, config)
     documents = [
         d

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import threading
 import time
@@ -54,7 +55,7 @@ async def test_requests_joining_at_different_steps_with_chunked_prefill_match_al
     # A budget of 8 tokens a step forces every prompt (20-50 tokens) through several chunks,
     # interleaved with the decodes of the requests already running.
     engine = make_engine(
-        tiny, dynamic_batching=True, max_batch_size=3, batch_window_ms=30, max_tokens_per_step=8
+        tiny, dynamic_batching=True, max_batch_size=3, dynamic_batch_window_ms=30, max_tokens_per_step=8
     )
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
     async with engine:
@@ -80,7 +81,7 @@ async def test_requests_joining_at_different_steps_with_chunked_prefill_match_al
 async def test_prompts_sharing_a_prefix_reuse_its_blocks_and_match_alone(tiny: LoadedModel) -> None:
     system = "You analyse documents. Answer with one JSON object: viewpoint, facts, data, sentiment."
     engine = make_engine(
-        tiny, dynamic_batching=True, max_batch_size=4, batch_window_ms=0, max_tokens_per_step=16
+        tiny, dynamic_batching=True, max_batch_size=4, dynamic_batch_window_ms=0, max_tokens_per_step=16
     )
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     async with engine:
@@ -131,7 +132,7 @@ async def test_kv_accounting_is_exact(tiny: LoadedModel) -> None:
 
 async def test_batch_stops_each_sequence_where_generate_alone_stops(tiny: LoadedModel) -> None:
     engine = make_engine(
-        tiny, dynamic_batching=True, max_batch_size=8, batch_window_ms=50, max_tokens_per_step=16
+        tiny, dynamic_batching=True, max_batch_size=8, dynamic_batch_window_ms=50, max_tokens_per_step=16
     )
     async with engine:
         ids = [engine.format_chat([{"role": "user", "content": p}]) for p in PROMPTS]
@@ -197,7 +198,9 @@ async def test_json_schema_constrains_the_output_of_a_random_model(tiny: LoadedM
         "additionalProperties": False,
     }
     params = SamplingParams(max_new_tokens=64, json_schema=json.dumps(schema))
-    async with make_engine(tiny, dynamic_batching=True, max_batch_size=4, batch_window_ms=20) as engine:
+    async with make_engine(
+        tiny, dynamic_batching=True, max_batch_size=4, dynamic_batch_window_ms=20
+    ) as engine:
         ids = [engine.format_chat([{"role": "user", "content": p}]) for p in PROMPTS[:3]]
         free = engine.generate(ids[0], SamplingParams(max_new_tokens=8, ignore_eos=True))
         results = await asyncio.gather(free, *(engine.generate(i, params) for i in ids[1:]))
@@ -227,7 +230,7 @@ async def test_a_new_schema_compiles_once_off_the_engine_thread_while_others_dec
     monkeypatch.setattr(xgrammar.GrammarCompiler, "compile_json_schema", slow)
     schema = json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]})
     params = SamplingParams(max_new_tokens=16, json_schema=schema)
-    engine = make_engine(tiny, dynamic_batching=True, max_batch_size=4, batch_window_ms=0)
+    engine = make_engine(tiny, dynamic_batching=True, max_batch_size=4, dynamic_batch_window_ms=0)
     async with engine:
         ids = [engine.format_chat([{"role": "user", "content": p}]) for p in PROMPTS[:3]]
         free = asyncio.create_task(
@@ -320,3 +323,28 @@ async def test_scoring_an_empty_option_is_refused(tiny: LoadedModel) -> None:
     async with make_engine(tiny) as engine:
         with pytest.raises(EngineError, match="empty"):
             await engine.score(tiny.tokenizer.encode("hello"), ["yes", ""])
+
+
+async def test_stopping_leaves_no_error_behind_for_requests_their_callers_gave_up(tiny: LoadedModel) -> None:
+    """A worker that shuts down with work in flight: callers have cancelled, the engine stops.
+    What nobody waits for any more must not be reported as an unretrieved error (one log line
+    per request, at shutdown); a request still awaited gets the error."""
+    loop = asyncio.get_running_loop()
+    unretrieved: list[str] = []
+    loop.set_exception_handler(lambda _, context: unretrieved.append(str(context.get("message"))))
+    try:
+        engine = make_engine(tiny)
+        await engine.start()
+        ids = engine.format_chat([{"role": "user", "content": "hello"}])
+        gone = engine.submit(ids, SamplingParams(max_new_tokens=50))
+        awaited = engine.submit(ids, SamplingParams(max_new_tokens=50))
+        gone.cancel()  # its caller was cancelled before the engine looked again
+        await engine.stop()
+        with pytest.raises(EngineError, match="engine stopped"):
+            await awaited.result()
+        del gone
+        gc.collect()
+        await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(None)
+    assert unretrieved == []

@@ -12,18 +12,35 @@ from engine import Engine, EngineConfig, SamplingParams, kv_native
 from engine.attention import SeqSlice, decode_attention, group_decodes, window_attention
 from engine.kv_cache import ColdStore, KVCache, KVShape, slots_of
 from engine.kv_native import NativeKernel, NativeKernelError
-from engine.kv_prune import heuristic_scores, select_kept, smooth
+from engine.kv_policy import heuristic_scores, select_kept, smooth
 from engine.kv_quant import (
     QuantFormat,
     centred,
-    dequantize_keys,
-    dequantize_values,
     quantize_keys,
     quantize_values,
+    unpack,
 )
 from engine.loader import LoadedModel
 from engine.selftest import stock_attention
 from engine.tiny import build_tiny
+
+
+# The format's reference inverse: what every reader (torch, the C kernel) must reproduce.
+def dequantize_keys(
+    codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, fmt: QuantFormat
+) -> torch.Tensor:
+    """codes (..., block_size, KVH, C), scale/min (..., KVH, D) -> keys (..., block_size, KVH, D)."""
+    # Computed in fp32 and cast once: on CPU a bf16 multiply-add converts each operand anyway.
+    keys = torch.addcmul(low.unsqueeze(-3).float(), unpack(codes, fmt).float(), scale.unsqueeze(-3).float())
+    return keys.to(scale.dtype)
+
+
+def dequantize_values(
+    codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, fmt: QuantFormat
+) -> torch.Tensor:
+    """codes (..., KVH, C), scale/min (..., KVH) -> values (..., KVH, D)."""
+    values = unpack(codes, fmt).float().mul_(scale.unsqueeze(-1).float()).add_(low.unsqueeze(-1).float())
+    return values.to(scale.dtype)
 
 
 def outlier_keys(*shape: int) -> torch.Tensor:
@@ -265,7 +282,9 @@ async def test_the_native_and_torch_readers_generate_the_same_tokens(tiny: Loade
     if tiny.device.type != "cpu":
         pytest.skip("the native reader is for CPU caches")
     kernel = native_kernel()
-    config = EngineConfig(Path("unused"), dtype="float32", kv_cache_bytes=1 << 22, kv_compression=True)
+    config = EngineConfig(
+        model_path=Path("unused"), dtype="float32", kv_cache_bytes=1 << 22, kv_compression=True
+    )
     assert Engine(config, tiny).stats().kv_reader == f"native-{kernel.isa}"
     options = {"kv_compression": True, "kv_quant_bits": bits, "kv_residual_tokens": 8}
     native, _ = await run(tiny, **options)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from engine import ModelLoadError, load_model
-from engine.tiny import save_tiny
+from engine.tiny import build_tiny
 
 
 def test_missing_path(tmp_path: Path) -> None:
@@ -54,3 +54,11 @@ def test_a_saved_model_folder_loads(tmp_path: Path) -> None:
     loaded = load_model(save_tiny(tmp_path / "tiny"), device="cpu", dtype="float32")
     assert loaded.model_id == "tiny"
     assert loaded.tokenizer.pad_token_id is not None
+
+
+def save_tiny(folder: Path) -> Path:
+    """A tiny model folder that `load_model` accepts, as MODEL_PATH would name it."""
+    loaded = build_tiny("qwen2")
+    loaded.model.save_pretrained(folder)
+    loaded.tokenizer.save_pretrained(folder)
+    return folder

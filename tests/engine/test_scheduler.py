@@ -11,7 +11,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import SamplingParams
-from engine.kv_prune import select_kept
+from engine.kv_policy import CompressionConfig, Compressor, select_kept
 from engine.request import Request
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import Sequence, Status
@@ -47,8 +47,8 @@ def test_a_shared_prefix_block_moves_to_quantised_storage_once_out_of_every_shar
     try:
         size = 4
         blocks = BlockManager(num_blocks=12, block_size=size, num_cold_blocks=12)
-        config = SchedulerConfig(max_running=2, max_tokens_per_step=32, residual_tokens=4)
-        scheduler = Scheduler(config, blocks)
+        scheduler = Scheduler(SchedulerConfig(max_running=2, max_tokens_per_step=32), blocks)
+        compressor = Compressor(CompressionConfig(quantising=True, residual_tokens=4), blocks, str)
         head = list(range(100, 116))  # 4 blocks of shared instructions
         first = make_sequence(0, [*head, 1, 2, 3, 4, 5], 10, loop)
         scheduler.add(first)
@@ -60,7 +60,7 @@ def test_a_shared_prefix_block_moves_to_quantised_storage_once_out_of_every_shar
         plan = scheduler.schedule(admit=True)
         shared = blocks.table(0)[:4]
         assert blocks.table(1)[:4] == shared and blocks.num_cache_hits == 4
-        moves = dict(scheduler.settle())
+        moves = dict(compressor.moves(scheduler.running).settle)
         # blocks 1 and 2 are out of both windows; block 3 holds the second's last 4 tokens
         assert set(moves) == {shared[1], shared[2]} and not blocks.is_cold(shared[3])
         for seq in (first, second):
@@ -74,7 +74,7 @@ def test_a_shared_prefix_block_moves_to_quantised_storage_once_out_of_every_shar
             for chunk in scheduler.schedule(admit=True):
                 scheduler.computed(chunk)
                 chunk.seq.token_ids.append(7)
-            scheduler.settle()
+            compressor.moves(scheduler.running)
         assert blocks.is_cold(blocks.table(0)[3]) and blocks.table(0)[3] == blocks.table(1)[3]
         third = make_sequence(2, [*head, 9], 10, loop)  # adopts the quantised prefix
         scheduler.finish(first)
@@ -96,10 +96,10 @@ def test_random_load_with_cancellations_pool_exhaustion_and_shared_prefixes(seed
         num_blocks, block_size = (16 if cold else 40), 8
         blocks = BlockManager(num_blocks, block_size, num_cold_blocks=cold)
         settled = settled_shared = 0
-        config = SchedulerConfig(
-            max_running=rng.choice([1, 4, 8]), max_tokens_per_step=rng.choice([16, 64]), residual_tokens=8
-        )
+        config = SchedulerConfig(max_running=rng.choice([1, 4, 8]), max_tokens_per_step=rng.choice([16, 64]))
         scheduler = Scheduler(config, blocks)
+        compression = CompressionConfig(quantising=True, residual_tokens=8, sink_tokens=block_size)
+        compressor = Compressor(compression, blocks, str)
         # Prompts start with one of three instructions (or part of one), then their own tokens.
         instructions = [[rng.randrange(50) for _ in range(rng.randint(10, 60))] for _ in range(3)]
 
@@ -125,14 +125,18 @@ def test_random_load_with_cancellations_pool_exhaustion_and_shared_prefixes(seed
                 scheduler.finish(victim)
                 finished[victim.seq_id] = "cancelled"
             plan = scheduler.schedule(admit=rng.random() < 0.8)
-            for hot, moved in scheduler.settle():  # what the runner does first: copy, then compute
+            for hot, moved in compressor.moves(scheduler.running).settle:  # the runner: copy, then compute
                 settled += 1
                 assert blocks.is_cold(moved) and not blocks.is_cold(hot)
                 holders = [s for s in scheduler.running if moved in blocks.table(s.seq_id)]
                 settled_shared += len(holders) > 1
                 for s in holders:  # never a sink, never in the recent window of anyone holding it
                     index = blocks.table(s.seq_id).index(moved)
-                    assert config.sink_blocks <= index < (s.num_cached - config.residual_tokens) // block_size
+                    assert (
+                        compressor.sink_blocks
+                        <= index
+                        < (s.num_cached - compression.residual_tokens) // block_size
+                    )
                 for i in range(block_size):
                     written[moved * block_size + i] = written[hot * block_size + i]
             # Invariants of every step.
@@ -313,16 +317,24 @@ def test_random_load_with_pruning_and_quantised_blocks(seed: int) -> None:
     try:
         size = 8
         blocks = BlockManager(24, size, prefix_caching=False, num_cold_blocks=48)
+        compression = CompressionConfig(
+            quantising=True,
+            residual_tokens=8,
+            sink_tokens=size,
+            pruning=True,
+            keep_ratio=0.5,
+            observe_tokens=4,
+        )
         config = SchedulerConfig(
-            max_running=rng.choice([4, 8]), max_tokens_per_step=rng.choice([16, 64]), residual_tokens=8,
-            prune_window=4,
+            max_running=rng.choice([4, 8]), max_tokens_per_step=rng.choice([16, 64]),
+            prune_window=compression.prune_window,
         )  # fmt: skip
         scheduler = Scheduler(config, blocks)
+        compressor = Compressor(compression, blocks, str)
         prompts = [[rng.randrange(50) for _ in range(rng.randint(1, 120))] for _ in range(300)]
         pending = [make_sequence(i, p, rng.randint(1, 60), loop) for i, p in enumerate(prompts)]
         written: dict[int, tuple[int, int]] = {}  # slot -> (token, position)
         held: dict[int, list[int]] = {}  # seq id -> positions its cache holds, in cache order
-        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         finished = pruned = 0
         for _ in range(100_000):
             if not (pending or scheduler.has_work):
@@ -331,12 +343,12 @@ def test_random_load_with_pruning_and_quantised_blocks(seed: int) -> None:
                 if pending:
                     scheduler.add(pending.pop())
             plan = scheduler.schedule(admit=True)
-            for source, destination in copies:  # what the runner does first
-                values = [written.get(int(s)) for s in source]
-                for d, v in zip(destination.tolist(), values, strict=True):
+            moves = compressor.moves(scheduler.running)
+            for source, destination in moves.copies:  # what the runner does first
+                values = [written.get(s) for s in source]
+                for d, v in zip(destination, values, strict=True):
                     written[d] = v  # type: ignore[assignment]
-            copies = []
-            for hot, cold in scheduler.settle():
+            for hot, cold in moves.settle:
                 for i in range(size):
                     written[cold * size + i] = written[hot * size + i]
             for chunk in plan:
@@ -365,10 +377,11 @@ def test_random_load_with_pruning_and_quantised_blocks(seed: int) -> None:
                 if not chunk.samples:
                     continue
                 if not seq.pruned:
-                    kept = select_kept(torch.rand(seq.num_cached), 0.5, sinks=2, window=4)
-                    if (copy := scheduler.prune(seq, kept)) is not None:
-                        copies.append(copy)
-                        held[seq.seq_id] = [held[seq.seq_id][i] for i in kept.tolist()]
+                    kept = select_kept(torch.rand(seq.num_cached), 0.5, sinks=2, window=4).tolist()
+                    before = seq.num_dropped
+                    compressor.drop(seq, kept)
+                    if seq.num_dropped > before:
+                        held[seq.seq_id] = [held[seq.seq_id][i] for i in kept]
                         pruned += 1
                 seq.token_ids.append(7)
                 if seq.num_output >= seq.request.params.max_new_tokens:

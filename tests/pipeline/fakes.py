@@ -10,17 +10,23 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Sequence
+from pathlib import Path
 
-from engine import EngineStats, GenerationResult, SamplingParams
+from engine import EngineConfig, EngineStats, GenerationResult, SamplingParams
 from prompts.render import CONTENT_FREE
 
 
 class ScriptedEngine:
     def __init__(
-        self, delay_s: float = 0.0, model_id: str = "scripted", kv_compression: bool = False
+        self,
+        delay_s: float = 0.0,
+        model_id: str = "scripted",
+        kv_compression: bool = False,
+        config: EngineConfig | None = None,
     ) -> None:
         self.delay_s = delay_s
-        self.kv_compression = kv_compression
+        self.config = config or EngineConfig(model_path=Path(model_id), kv_compression=kv_compression)
+        self.kv_compression = self.config.kv_compression
         self._model_id = model_id
         self.calls = 0
         self.scored = 0  # label questions answered
@@ -98,9 +104,9 @@ class ScriptedEngine:
             model_id=self.model_id,
             device="cpu",
             dtype="none",
-            dynamic_batching=False,
+            dynamic_batching=self.config.dynamic_batching,
             kv_compression=self.kv_compression,
-            max_batch_size=1,
+            max_batch_size=self.config.max_batch_size,
             num_waiting=0,
             num_running=0,
             num_steps=self.calls,

@@ -12,13 +12,12 @@ import pytest
 
 from engine import Engine, SamplingParams
 from engine.tiny import build_tiny
-from pipeline.app import engine_config
+from pipeline.front import Front, router
 from pipeline.http import serve_status
 from pipeline.http_guard import HttpGuard
 from pipeline.service import Service
 from pipeline.settings import SettingsError, load_settings
 from pipeline.telemetry import Telemetry
-from pipeline.web import Front, router
 from tests.pipeline.fakes import ScriptedEngine
 
 
@@ -29,7 +28,11 @@ async def test_status_reflects_the_environment(
     monkeypatch.setenv("DYNAMIC_BATCHING", dynamic)
     monkeypatch.setenv("KV_COMPRESSION", kv)
     monkeypatch.setenv("MAX_BATCH_SIZE", size)
-    service = Service(load_settings(), ScriptedEngine(model_id="m-1", kv_compression=kv == "true"), telemetry)
+    settings = load_settings()
+    engine = ScriptedEngine(
+        model_id="m-1", config=settings.engine_config(Path("m-1"))
+    )  # as the app builds it
+    service = Service(settings, engine, telemetry)
     async with serve_status(service.status, "127.0.0.1", 0) as port, httpx.AsyncClient() as client:
         status = (await client.get(f"http://127.0.0.1:{port}/api/status")).json()
         health = await client.get(f"http://127.0.0.1:{port}/healthz")
@@ -55,7 +58,7 @@ async def test_kv_compression_switch_changes_status_and_the_engines_memory(
     monkeypatch.setenv("KV_CACHE_BYTES", str(1 << 22))
     monkeypatch.setenv("DTYPE", "float32")
     settings = load_settings()
-    engine = Engine(engine_config(settings, Path("unused")), build_tiny("qwen2"))
+    engine = Engine(settings.engine_config(Path("unused")), build_tiny("qwen2"))
     service = Service(settings, engine, telemetry)
     ratios = []
     async with engine, serve_status(service.status, "127.0.0.1", 0) as port, httpx.AsyncClient() as client:

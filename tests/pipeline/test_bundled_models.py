@@ -10,7 +10,8 @@ from typing import get_args
 
 import pytest
 
-from engine import ModelLoadError, weights
+from engine import ModelLoadError
+from pipeline import bundled_models as weights
 from pipeline.settings import Settings, SettingsError, load_settings
 
 LARGE = weights.MODELS["qwen2.5-coder-1.5b"]
@@ -64,7 +65,9 @@ def test_large_model_shape() -> None:
     assert LARGE.version == "0.2.0"
     assert weights.model_folder(LARGE, Path("/c")) == Path("/c/models/qwen2.5-coder-1.5b-instruct-bf16")
     # The default model keeps the cache folder it has always had.
-    assert weights.default_model_folder(Path("/c")) == Path("/c/models/qwen2.5-coder-0.5b-instruct-bf16")
+    assert weights.model_folder(weights.MODELS[weights.DEFAULT_MODEL], Path("/c")) == Path(
+        "/c/models/qwen2.5-coder-0.5b-instruct-bf16"
+    )
 
 
 def test_missing_model_package_is_a_clear_error() -> None:

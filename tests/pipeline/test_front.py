@@ -17,12 +17,12 @@ import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 
 from pipeline.answers import AnswerHub
+from pipeline.front import Front, router
 from pipeline.http import serve_status
 from pipeline.kafka import client_options, ensure_topics
 from pipeline.service import Service, running
 from pipeline.settings import Settings
 from pipeline.telemetry import Telemetry
-from pipeline.web import Front, router
 from schemas import AnalysisEvent
 from tests.pipeline.fakes import ScriptedEngine
 

@@ -181,10 +181,6 @@ def model_folder(model: BundledModel, cache_dir: Path) -> Path:
     return cache_dir / "models" / model.folder_name
 
 
-def default_model_folder(cache_dir: Path) -> Path:
-    return model_folder(MODELS[DEFAULT_MODEL], cache_dir)
-
-
 def prepare_model(name: str, cache_dir: Path, progress: Progress | None = None) -> Path:
     """The converted folder of the bundled model `name`, converting it on first use."""
     model = bundled_model(name)
@@ -217,8 +213,3 @@ def prepare_model(name: str, cache_dir: Path, progress: Progress | None = None) 
             shutil.rmtree(folder)
         staged.rename(folder)  # atomic within one file system: a crash never leaves half a cache
     return folder
-
-
-def prepare_default_model(cache_dir: Path, progress: Progress | None = None) -> Path:
-    """The converted default model folder, converting it on first use."""
-    return prepare_model(DEFAULT_MODEL, cache_dir, progress)

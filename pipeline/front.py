@@ -25,7 +25,7 @@ from pydantic import BaseModel, Field
 
 from pipeline.answers import AnswerHub, Delivered
 from pipeline.client import send_document
-from pipeline.kafka import client_options
+from pipeline.kafka import make_producer
 from pipeline.settings import Settings
 from schemas import AnalysisEvent, DocumentEvent, DocumentKind, Language
 from schemas.events import NonEmptyStr
@@ -86,12 +86,8 @@ class Front:
     async def producer(self) -> AIOKafkaProducer:
         async with self._lock:
             if self._producer is None:
-                producer = AIOKafkaProducer(
-                    **client_options(self.settings),
-                    acks="all",
-                    enable_idempotence=False,
-                    request_timeout_ms=int(self.send_timeout_s * 1000),
-                )
+                timeout_ms = int(self.send_timeout_s * 1000)  # one document, sent at once
+                producer = make_producer(self.settings, request_timeout_ms=timeout_ms, linger_ms=0)
                 try:
                     await asyncio.wait_for(producer.start(), self.send_timeout_s)
                 except BaseException:

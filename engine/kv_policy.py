@@ -1,0 +1,247 @@
+"""KV compression policy: the one place that decides which blocks are quantised and which tokens
+are dropped; it hands the scheduler's bookkeeping and the runner's tensors plain moves.
+
+* Quantising: every step, full blocks that have left each holder's recent window (the last
+  `residual_tokens`, the first `sink_tokens` kept too) move to quantised storage while quantised
+  blocks are free (`Compressor.moves`). A block shared by several sequences (an adopted prefix)
+  moves once it has left every sharer's window.
+* Pruning: once a prompt has been read, its cached tokens are scored and the best `keep_ratio`
+  kept, compacted to the front of its blocks, the rest released (`Compressor.prune`). Two
+  scoring policies over the tokens between the sinks and the observation window:
+  - `attention` (SnapKV): the attention the last `window` prompt tokens (the instruction to
+    answer) pay to each earlier token, summed over heads and layers during the final prompt
+    chunk, then max-pooled over neighbours so that kept tokens come with their context;
+  - `heuristic` (the article's rule, as a baseline): punctuation, function words and repeated
+    bigrams score 0, every other token 1; ties keep the later tokens.
+  Keys are cached after RoPE, so kept tokens keep their positions: only the cache indices change.
+* Sizing: how much of the KV byte budget is full precision (every running sequence's sinks,
+  recent window and one step's prompt chunk) and how much quantised (`build_cache`).
+"""
+
+from __future__ import annotations
+
+import unicodedata
+from collections.abc import Callable, Iterable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from engine import kv_native
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig, PrunePolicy
+from engine.kv_cache import ColdStore, KVCache, KVShape
+from engine.kv_quant import QuantFormat
+from engine.sequence import Sequence
+
+# fmt: off
+FUNCTION_WORDS = frozenset([
+    "的", "了", "是", "在", "和", "与", "及", "也", "就", "都", "而", "或", "着", "过",
+    "吗", "呢", "吧", "啊", "之", "其", "这", "那", "把", "被", "对", "从", "向",
+    "a", "an", "the", "of", "to", "in", "on", "at", "by", "for", "and", "or", "but", "is", "are", "was",
+    "were", "be", "been", "it", "its", "this", "that", "with", "as",
+])
+# fmt: on
+
+
+def smooth(scores: torch.Tensor, kernel: int = 7) -> torch.Tensor:
+    """Max-pools scores over a window of neighbours (odd `kernel`), as SnapKV does."""
+    if kernel <= 1:
+        return scores
+    return F.max_pool1d(scores[None, None], kernel, stride=1, padding=kernel // 2)[0, 0]
+
+
+def heuristic_scores(token_ids: Seq[int], text_of: Callable[[int], str]) -> torch.Tensor:
+    """1 for a content token, 0 for punctuation, a function word or a repeated bigram."""
+    scores = torch.ones(len(token_ids))
+    seen: set[tuple[int, int]] = set()
+    for i, token in enumerate(token_ids):
+        text = text_of(token).strip().lower()
+        if not text or all(unicodedata.category(c)[0] in "PSZC" for c in text) or text in FUNCTION_WORDS:
+            scores[i] = 0
+        if i:
+            pair = (token_ids[i - 1], token)
+            if pair in seen:
+                scores[i] = 0
+            seen.add(pair)
+    return scores
+
+
+def select_kept(scores: torch.Tensor, keep_ratio: float, sinks: int, window: int) -> torch.Tensor:
+    """Sorted indices of the tokens to keep among `len(scores)`: sinks, window, and the best rest.
+
+    Ties go to later tokens (closer to the question being answered)."""
+    total = int(scores.shape[0])
+    budget = max(sinks + window, round(keep_ratio * total))
+    if budget >= total:
+        return torch.arange(total)
+    middle = scores[sinks : total - window].float()
+    # A tiny ramp makes later tokens win ties without changing any real ordering.
+    ramp = torch.linspace(0, 1e-6, middle.shape[0]) * (middle.abs().max() + 1)
+    chosen = (middle + ramp).topk(budget - sinks - window).indices + sinks
+    head, tail = torch.arange(min(sinks, total)), torch.arange(max(sinks, total - window), total)
+    kept, _ = torch.sort(torch.cat((head, chosen, tail)))
+    return kept
+
+
+@dataclass(frozen=True)
+class Moves:
+    """KV data to move before a step's forward, in cache slots and pool block ids: (source slots,
+    destination slots) copies that compact pruned sequences, then (full-precision, quantised)
+    block pairs to quantise."""
+
+    copies: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    settle: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class CompressionConfig:
+    quantising: bool = False  # full blocks out of the recent window move to quantised storage
+    residual_tokens: int = 32  # the most recent tokens of each sequence stay full precision
+    sink_tokens: int = 4  # so do the first ones, rounded up to whole blocks
+    pruning: bool = False  # prompts are pruned to `keep_ratio` once read
+    keep_ratio: float = 1.0
+    observe_tokens: int = 32  # the observation window that scores (and is kept) when pruning
+    policy: PrunePolicy = "attention"
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> CompressionConfig:
+        return cls(
+            config.quantising, config.kv_residual_tokens, config.kv_sink_tokens, config.pruning,
+            config.kv_keep_ratio, config.kv_observe_tokens, config.kv_prune_policy,
+        )  # fmt: skip
+
+    @property
+    def prune_window(self) -> int:
+        """Tokens every final prompt chunk must hold (0: no pruning)."""
+        return self.observe_tokens if self.pruning else 0
+
+    @property
+    def attention_window(self) -> int:
+        """Queries whose attention scores a prompt's keys (0: no attention scoring)."""
+        return self.observe_tokens if self.pruning and self.policy == "attention" else 0
+
+
+class Compressor:
+    """Decides, step by step, which blocks of the running sequences are quantised and which of a
+    read prompt's tokens are dropped; changes the block tables (through `BlockManager`) and hands
+    the runner the data moves that go with them (`moves`), applied before the next forward."""
+
+    def __init__(
+        self, config: CompressionConfig, blocks: BlockManager, text_of: Callable[[int], str]
+    ) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.text_of = text_of  # a token's text, for the heuristic scores
+        self.sink_blocks = -(-config.sink_tokens // blocks.block_size)
+        self._copies: list[tuple[list[int], list[int]]] = []  # pruning moves for the next step
+
+    def wants_pruning(self, seq: Sequence) -> bool:
+        return self.config.pruning and not seq.pruned
+
+    def prune(self, seq: Sequence, attention: torch.Tensor | None) -> None:
+        """Its prompt is read: keep the sinks, the observation window and the best-scored rest.
+        Attention scores where the runner gave them, else the article's heuristic (also when the
+        final chunk was one token)."""
+        if attention is not None:
+            scores = smooth(attention)
+        else:
+            scores = heuristic_scores(seq.token_ids[: seq.num_cached], self.text_of)
+        config = self.config
+        self.drop(
+            seq, select_kept(scores, config.keep_ratio, config.sink_tokens, config.observe_tokens).tolist()
+        )
+
+    def drop(self, seq: Sequence, kept: Seq[int]) -> None:
+        """Keeps only the cached tokens at indices `kept` (sorted), compacted to the front of its
+        blocks, the rest released; the copy is handed out with the next `moves`. A shared block
+        must not be overwritten: such a sequence (none while pruning turns prefix caching off)
+        keeps everything."""
+        seq.pruned = True
+        total, count = seq.num_cached, len(kept)
+        if count >= total or not self.blocks.is_private(seq.seq_id):
+            return
+        size, table = self.blocks.block_size, self.blocks.table(seq.seq_id)
+        source = [table[i // size] * size + i % size for i in kept]
+        destination = [
+            table[i // size] * size + i % size for i in range(count)
+        ]  # index i moves to i <= its own
+        self.blocks.truncate(seq.seq_id, count)
+        seq.num_dropped += total - count
+        seq.num_settled_blocks = 0
+        self._copies.append((source, destination))
+
+    def moves(self, running: Iterable[Sequence]) -> Moves:
+        """The pruning copies decided since the last step, and the blocks to quantise now."""
+        copies, self._copies = self._copies, []
+        return Moves(copies, self._settle(list(running)) if self.config.quantising else [])
+
+    def _settle(self, running: list[Sequence]) -> list[tuple[int, int]]:
+        """Moves full blocks that left the recent-token window to quantised storage while quantised
+        blocks are free: the (full-precision, quantised) pairs to copy. Sink blocks stay."""
+        moves: list[tuple[int, int]] = []
+        if not self.blocks.num_cold_blocks:
+            return moves
+        holders: dict[int, list[tuple[int, int]]] = {}  # hot block -> (sequence, index) of each user
+        in_window: set[int] = set()  # hot blocks some user still needs in full precision
+        for seq in running:
+            table = self.blocks.table(seq.seq_id)
+            if self.wants_pruning(seq):
+                limit = 0  # its prompt is still read in full precision, to be scored and pruned
+            else:
+                limit = (seq.num_cached - self.config.residual_tokens) // self.blocks.block_size
+            first = max(seq.num_settled_blocks, self.sink_blocks)
+            for index in range(first, len(table)):
+                block = table[index]
+                if not self.blocks.is_cold(block):
+                    holders.setdefault(block, []).append((seq.seq_id, index))
+                    if index >= limit:
+                        in_window.add(block)
+        for block, where in holders.items():
+            if not self.blocks.num_free_cold:
+                break
+            if block not in in_window and (cold := self.blocks.settle(block, where)) is not None:
+                moves.append((block, cold))
+        for seq in running:  # skip what is settled; a block still hot is looked at again
+            table = self.blocks.table(seq.seq_id)
+            index = max(seq.num_settled_blocks, self.sink_blocks)
+            while index < len(table) and self.blocks.is_cold(table[index]):
+                index += 1
+            seq.num_settled_blocks = index
+        return moves
+
+
+def pool_budget(config: EngineConfig, device: torch.device) -> int:
+    """The KV byte budget: KV_CACHE_BYTES, else a share of free memory."""
+    if config.kv_cache_bytes is not None:
+        return config.kv_cache_bytes
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    else:
+        import psutil
+
+        free = psutil.virtual_memory().available
+    return int(free * config.kv_cache_memory_fraction)
+
+
+def build_cache(config: EngineConfig, shape: KVShape, device: torch.device) -> KVCache:
+    """The pool for the byte budget. Uncompressed: all full-precision blocks. Compressed: enough
+    full-precision blocks for every running sequence's sinks, recent window and one step's
+    prompt chunk, the rest of the budget as quantised blocks."""
+    budget, size = pool_budget(config, device), config.block_size
+    hot_bytes = shape.bytes_per_token * size
+    if not config.quantising:
+        return KVCache(shape, max(1, budget // hot_bytes), size, device)
+    fmt = QuantFormat(config.kv_quant_bits)
+    per_seq = -(-config.kv_sink_tokens // size) + -(-config.kv_residual_tokens // size) + 2
+    hot_needed = config.effective_batch_size * per_seq + -(-config.max_tokens_per_step // size)
+    if config.pruning:  # prompts stay full precision until they are scored: room for a few long ones
+        hot_needed += -(-4096 // size)
+    hot = min(max(1, budget // hot_bytes), hot_needed)
+    cold = max(0, budget - hot * hot_bytes) // ColdStore.bytes_per_block(shape, fmt, size)
+    if not cold:
+        return KVCache(shape, hot, size, device)
+    native = config.kv_kernel == "auto" and device.type == "cpu" and shape.dtype in kv_native.DTYPES
+    kernel = kv_native.load() if native else None
+    return KVCache(shape, hot, size, device, ColdStore(shape, fmt, cold, size, device, kernel))
