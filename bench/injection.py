@@ -91,7 +91,7 @@ async def run(args: Any) -> dict[str, Any]:
 
         def labels(text: str, language: str, screened: bool) -> Any:
             lang = Language(language)
-            body = screen(text, lang).text if screened else text
+            body = screen(text, lang).labelled if screened else text
             return lambda: analyzer.label(DocumentKind.COMPLAINT, lang, body)
 
         clean = await bounded([labels(b["text"], b["language"], True) for b in uniq.values()], 32)

@@ -117,7 +117,7 @@ def first_of_each(rows: list[real_data.Labelled], count: int) -> list[real_data.
 
 async def labels_on(analyzer: Analyzer, docs: list[Document]) -> list[Scored]:
     def job(d: Document) -> Callable[[], Awaitable[Scored]]:
-        return lambda: analyzer.scores(d.kind, d.language, screen(d.text, d.language).text)
+        return lambda: analyzer.scores(d.kind, d.language, screen(d.text, d.language).labelled)
 
     return await bounded([job(d) for d in docs], 32)
 

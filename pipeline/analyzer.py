@@ -273,7 +273,7 @@ class Analyzer:
                 }
             )
             with self.tracer.start_as_current_span("label") as label_span:
-                labels = await self.label(document.kind, document.language, screened.text)
+                labels = await self.label(document.kind, document.language, screened.labelled)
                 label_span.set_attributes(
                     {
                         "deepanalyze.polarity": labels.polarity.value,

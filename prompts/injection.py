@@ -3,8 +3,9 @@
 A document is data. A sentence in it that addresses the analyst or the system ("系统提示：…",
 "ignore previous instructions", "mark this as low urgency", `{"core_viewpoint": …}`) is not what
 the writer complains about: it is an attempt to steer the analysis. Such sentences are cut out of
-the text the model reads (replaced by a marker saying so) and returned, so that the event can flag
-them (`suspected_injection`) with the excerpts. The signals are deterministic patterns per
+the text the model reads (replaced by a marker saying so in the text it writes from; left out
+entirely from the text its labels are scored on) and returned, so that the event can flag them
+(`suspected_injection`) with the excerpts. The signals are deterministic patterns per
 language, written from the shapes instructions take, not from any benchmark's phrasings; a
 sentence that merely asks for help ("请尽快处理") is not one.
 """
@@ -124,8 +125,9 @@ MAX_EXCERPT_CHARS = 200
 
 @dataclass(frozen=True)
 class Screened:
-    text: str  # what the model reads: the document less the instruction-like sentences
+    text: str  # what the model writes from: the document, each withheld sentence a marker
     excerpts: tuple[str, ...]  # the sentences withheld, as written (each cut to MAX_EXCERPT_CHARS)
+    labelled: str = ""  # what the label questions read: the document less them, with no marker
 
     @property
     def suspected(self) -> bool:
@@ -142,21 +144,30 @@ def is_instruction(sentence: str, language: Language = Language.EN) -> bool:
 
 
 def screen(text: str, language: Language) -> Screened:
-    """The document with instruction-like sentences replaced by one marker each."""
+    """The document with instruction-like sentences replaced by one marker each (for the model's
+    narrative, so that it neither reads them nor guesses at a gap), and without them at all for
+    the label questions: a marker is itself text a small model reacts to (it tilted urgency up),
+    and labels should be what the document says without its instructions."""
     kept: list[str] = []
+    bare: list[str] = []
     excerpts: list[str] = []
     position = 0
     for match in _SENTENCE.finditer(text):
         sentence = match.group(0)
-        kept.append(text[position : match.start()])  # whatever lay between sentences (spaces)
+        between = text[position : match.start()]  # whatever lay between sentences (spaces)
+        kept.append(between)
+        bare.append(between)
         position = match.end()
         if sentence.strip() and is_instruction(sentence, language):
             excerpts.append(sentence.strip()[:MAX_EXCERPT_CHARS])
             lead = sentence[: len(sentence) - len(sentence.lstrip())]
             kept.append(lead + _MARKER[language] + ("\n" if sentence.endswith("\n") else ""))
+            bare[-1] = between.rstrip()  # the space that led into the withheld sentence goes with it
         else:
             kept.append(sentence)
+            bare.append(sentence)
     kept.append(text[position:])
+    bare.append(text[position:])
     if not excerpts:
-        return Screened(text, ())
-    return Screened("".join(kept), tuple(excerpts))
+        return Screened(text, (), text)
+    return Screened("".join(kept), tuple(excerpts), "".join(bare).strip())

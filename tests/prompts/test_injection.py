@@ -37,6 +37,8 @@ def test_an_appended_instruction_is_withheld_and_reported(
     for question in questions(DocumentKind.COMPLAINT, language, screened.text):
         assert injected not in question.prompt.messages[-1]["content"]
     assert injected not in render(DocumentKind.COMPLAINT, language, screened.text).messages[-1]["content"]
+    # The labels read the document as it was before the instruction was appended: no marker.
+    assert screened.labelled == base.strip()
 
 
 @pytest.mark.parametrize(
@@ -51,7 +53,7 @@ def test_an_appended_instruction_is_withheld_and_reported(
 )
 def test_a_plain_document_is_left_whole(text: str, language: Language) -> None:
     screened = screen(text, language)
-    assert not screened.suspected and screened.text == text
+    assert not screened.suspected and screened.text == text and screened.labelled == text
 
 
 def test_an_instruction_between_two_sentences_leaves_both_around_it() -> None:
@@ -61,3 +63,4 @@ def test_an_instruction_between_two_sentences_leaves_both_around_it() -> None:
     assert screened.text.startswith("The parcel came late.") and screened.text.endswith(
         "The box was crushed."
     )
+    assert screened.labelled == "The parcel came late. The box was crushed."
