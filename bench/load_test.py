@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         "--slo-s",
         type=float,
         default=60.0,
-        help="a level is stable while P95 latency <= this (default: the deadline, as one analysis alone takes 15-25 s on 2 cores)",
+        help="a level is stable while P95 latency <= this (default: the deadline; one analysis alone takes 15-30 s on 2 cores with bf16, 45-120 s on 2 AVX2 cores in fp32: raise both there)",
     )
     parser.add_argument("--kv-pool-mib", type=int, default=128, help="KV_CACHE_BYTES for every configuration")
     parser.add_argument("--max-batch", type=int, default=16, help="MAX_BATCH_SIZE")
