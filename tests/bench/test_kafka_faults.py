@@ -21,9 +21,12 @@ pytestmark = [
 
 
 async def test_an_answer_partition_leader_killed_mid_stream_loses_nothing(tmp_path: Path) -> None:
-    """Both guarantees, one cluster: nothing lost; under exactly_once, nothing twice either."""
+    """Both guarantees, one cluster: nothing lost; under exactly_once, nothing twice either. Lost
+    means not answered within the collector's window, which stops as soon as everything is in: the
+    window is wide (300 s): on a busy 2-core machine 3 of 200 answers held up by the kill once had
+    not arrived within 120 s (the next run had them all; whether they came later is not known)."""
     args = argparse.Namespace(
-        documents=200, rate=100.0, worker_kills=0, real_model=False, collect_timeout_s=120.0, logs=tmp_path
+        documents=200, rate=100.0, worker_kills=0, real_model=False, collect_timeout_s=300.0, logs=tmp_path
     )
     with kafka_cluster(3) as cluster:
         outcomes = [
