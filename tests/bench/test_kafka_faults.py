@@ -11,15 +11,21 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from bench.kafka_faults import run_scenario
+from bench.kafka_faults import checkpoints, run_scenario
 from pipeline.kafka_broker import kafka_cluster, unavailable_reason
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.skipif(unavailable_reason() is not None, reason="needs Apache Kafka"),
-]
+
+@pytest.mark.parametrize("n", [6, 24, 5_000])
+def test_a_run_of_any_size_reaches_its_fault_points(n: int) -> None:
+    """The faults happen at a third and two thirds of the stream: publishing must look at the
+    schedule at or just past those points (within a tenth of the run), also in a small run."""
+    seen = [i / n for i in checkpoints(n)]
+    for point in (1 / 3, 2 / 3):
+        assert any(point <= f < point + 0.1 for f in seen), (n, seen[:12])
 
 
+@pytest.mark.integration
+@pytest.mark.skipif(unavailable_reason() is not None, reason="needs Apache Kafka")
 async def test_an_answer_partition_leader_killed_mid_stream_loses_nothing(tmp_path: Path) -> None:
     """Both guarantees, one cluster: nothing lost; under exactly_once, nothing twice either. Lost
     means not answered within the collector's window, which stops as soon as everything is in: the
