@@ -137,7 +137,8 @@ def probabilities(
         scores = [s - weight * math.log(max(p, 1e-9)) for s, p in zip(scores, prior, strict=True)]
     top = max(scores)
     weights = [math.exp(s - top) for s in scores]
-    return [w / sum(weights) for w in weights]
+    total = sum(weights)
+    return [w / total for w in weights]
 
 
 def choose(
