@@ -15,6 +15,7 @@ bases and on the real review sample.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 from pathlib import Path
@@ -36,6 +37,33 @@ DATA = Path(__file__).with_name("data")
 # The development set (the detector was revised after reading it) and the held-out set (written
 # after that by someone who had seen neither the detector nor the development set): report this.
 PHRASINGS = {"heldout": DATA / "injection-heldout.jsonl", "dev": DATA / "injection-phrasings.jsonl"}
+# The control: harmless lines (an order number, a date, a phone number) appended the same way. How
+# often they alone change the labels is the model's own sensitivity to an extra line, the floor
+# under which no screening can bring the injected cases' disagreement.
+CONTROL = DATA / "injection-control.jsonl"
+
+
+def read_lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def appended(
+    bases: list[dict[str, Any]], phrasings: list[dict[str, Any]], per_language: int
+) -> list[dict[str, Any]]:
+    """Each base with three of its language's phrasings appended: in its paragraph, on a line of
+    its own, in its paragraph again."""
+    cases = []
+    for language in ("zh", "en"):
+        mine = [b for b in bases if b["language"] == language][:per_language]
+        pool = [p for p in phrasings if p["language"] == language]
+        for i, base in enumerate(mine):
+            for k in range(3):
+                phrasing = pool[(i + 8 * k) % len(pool)]
+                joiner = "\n" if k % 2 else ("" if language == "zh" else " ")
+                cases.append(
+                    {"base": base, "phrasing": phrasing, "text": base["text"] + joiner + phrasing["text"]}
+                )
+    return cases
 
 
 URGENCY_RANK = {u.value: i for i, u in enumerate(Urgency)}
@@ -71,20 +99,9 @@ async def run(args: Any) -> dict[str, Any]:
     )
     engine = await asyncio.to_thread(Engine.from_config, config)
     analyzer = Analyzer(engine, trace.NoOpTracer(), max_new_tokens=512, attempts=2)
-    path = PHRASINGS[args.phrasings]
-    phrasings = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     bases = [t for t in team_rows(TEAM) if t["polarity"] == "negative"]
-    cases = []
-    for language in ("zh", "en"):
-        mine = [b for b in bases if b["language"] == language][: args.per_language]
-        pool = [p for p in phrasings if p["language"] == language]
-        for i, base in enumerate(mine):
-            for k in range(3):
-                phrasing = pool[(i + 8 * k) % len(pool)]
-                joiner = "\n" if k % 2 else ("" if language == "zh" else " ")
-                cases.append(
-                    {"base": base, "phrasing": phrasing, "text": base["text"] + joiner + phrasing["text"]}
-                )
+    cases = appended(bases, read_lines(PHRASINGS[args.phrasings]), args.per_language)
+    controls = appended(bases, read_lines(CONTROL), args.per_language) if args.control else []
     uniq = {c["base"]["id"]: c["base"] for c in cases}
     async with engine:
         await analyzer.prepare()
@@ -101,6 +118,7 @@ async def run(args: Any) -> dict[str, Any]:
             if args.unscreened
             else []
         )
+        benign = await bounded([labels(c["text"], c["base"]["language"], True) for c in controls], 32)
     clean_of = {
         bid: outcome(lab, b["text"], Language(b["language"]))
         for (bid, b), lab in zip(uniq.items(), clean, strict=True)
@@ -123,9 +141,19 @@ async def run(args: Any) -> dict[str, Any]:
     def share(predicate: Any, sel: list[dict[str, Any]]) -> float:
         return sum(bool(predicate(r)) for r in sel) / len(sel) if sel else 0.0
 
+    control_rows = [
+        {
+            "base": c["base"]["id"],
+            "phrasing": c["phrasing"]["id"],
+            "clean": clean_of[c["base"]["id"]],
+            "control": outcome(lab, c["text"], Language(c["base"]["language"])),
+        }
+        for c, lab in zip(controls, benign, strict=True)
+    ]
     summary = {}
     for lang in ("zh", "en", "all"):
         sel = [r for r in rows if lang == "all" or r["base"].startswith(f"tc-{lang}")]
+        csel = [r for r in control_rows if lang == "all" or r["base"].startswith(f"tc-{lang}")]
         summary[lang] = {
             "n": len(sel),
             "match": share(lambda r: r["injected"] == r["clean"], sel),
@@ -136,6 +164,7 @@ async def run(args: Any) -> dict[str, Any]:
             "steered": share(lambda r: steered(r["clean"], r["injected"]), sel),
             "match_flagged": share(lambda r: r["injected"] == r["clean"], [r for r in sel if r["flagged"]]),
             "match_unscreened": share(lambda r: r["unscreened"] == r["clean"], sel) if raw else None,
+            "match_control": share(lambda r: r["control"] == r["clean"], csel) if csel else None,
         }
     reviews = real_data.sample(300)
     false_alarms = {
@@ -153,6 +182,7 @@ async def run(args: Any) -> dict[str, Any]:
         "summary": summary,
         "false_alarms": false_alarms,
         "rows": rows,
+        "control_rows": control_rows,
     }
 
 
@@ -161,18 +191,22 @@ def main() -> None:
     parser.add_argument("--per-language", type=int, default=20, help="clean complaints per language")
     parser.add_argument("--phrasings", choices=sorted(PHRASINGS), default="heldout")
     parser.add_argument("--unscreened", action="store_true", help="also run with screening off")
+    parser.add_argument(
+        "--control", action=argparse.BooleanOptionalAction, default=True, help="also append harmless lines"
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/injection.json"))
     args = parser.parse_args()
     results = asyncio.run(run(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
     table = Table("lang", "cases", "same polarity+urgency+escalation", "polarity", "urgency", "escalation",
-                  "flagged", "same when flagged", "softened", "same, screening off", title=f"Injection — {results['model']}")  # fmt: skip
+                  "flagged", "same when flagged", "softened", "same, screening off", "same, harmless line", title=f"Injection — {results['model']}")  # fmt: skip
     for lang, s in results["summary"].items():
         off = "-" if s["match_unscreened"] is None else f"{s['match_unscreened']:.3f}"
+        ctl = "-" if s["match_control"] is None else f"{s['match_control']:.3f}"
         table.add_row(lang, str(s["n"]), f"{s['match']:.3f}", f"{s['polarity_match']:.3f}", f"{s['urgency_match']:.3f}",
                       f"{s['escalate_match']:.3f}", f"{s['flagged']:.3f}", f"{s['match_flagged']:.3f}",
-                      f"{s['steered']:.3f}", off)  # fmt: skip
+                      f"{s['steered']:.3f}", off, ctl)  # fmt: skip
     console = Console(width=140)
     console.print(table)
     fa = results["false_alarms"]

@@ -43,7 +43,7 @@ _ZH = [
 ]
 _EN = [
     re.compile(
-        r"\b(system|admin(istrator)?|developer|operator|internal)\s+(prompt|instruction|message|note|notice|override|directive)s?\b",
+        r"\b(system|admin(istrator)?|developer|operator|internal|assistant)\s+(prompt|instruction|message|note|notice|override|directive)s?\b",
         _FLAGS,
     ),
     re.compile(
@@ -74,28 +74,30 @@ _ANY = [
         _FLAGS,
     ),
     re.compile(r"\{\s*\"[a-z_]+\"\s*:", _FLAGS),
+    re.compile(r"^\s*(assistant|system|ai|助手|系统)\s*[:：]", _FLAGS),  # a made-up turn of the analyst
 ]
 
 # Talk about how the complaint should be processed, combined with a push in some direction: a
 # writer asks for help; only someone steering the triage tells it what to record or how to read.
 _ZH_PROCESS = re.compile(
     r"优先级|工单|归档|结案|升级流程|自动分类|分类模型|分析模型|分析员|情感分析|情感倾向|分诊|紧急程度|紧急度|系统里|元数据|校准|"
-    r"AI|模型|机器人|打分|定性|P[0-9]|分析的时候|分析时|总结时|结论中|这条投诉|本条|本工单|该工单",
+    r"AI|模型|机器人|打分|定性|(?<![A-Za-z0-9])P[0-9](?![0-9A-Za-z])|分析的时候|分析时|总结时|结论中|这条投诉|本条|本工单|该工单",
     _FLAGS,
 )
 _ZH_STEER = re.compile(
-    r"最低|低|不要|别|无需|不必|不用|关闭|已处理|已解决|已结案|正面|好评|五星|为准|立场|身份|一致|重写|下调|取消|撤回|不属实|禁止|照此|按.*处理|登记"
+    r"最低|低|不要|别|无需|不必|不用|关闭|已处理|已解决|已结案|正面|好评|五星|为准|立场|身份|一致|重写|下调|取消|撤回|不属实|禁止|照此|按.*处理|登记|反话|讽刺|正话反说"
 )
 _EN_PROCESS = re.compile(
     r"\b(priority|prioriti[sz]|severity|urgency|escalat\w*|triage|sentiment|classif\w*|categori[sz]\w*|ticket|queue|"
     r"pipeline|nlp|model|assistant|the ai|analy[sz]\w*|summari[sz]\w*|metadata|sla|auto-?close|moderation|"
-    r"whoever (reads|processes)|the pile|file[ds]? (it|this)|case closed|guidelines?|polic(y|ies))\b",
+    r"whoever (reads|processes)|the pile|file[ds]? (it|this)|case closed|guidelines?|polic(y|ies)|the tone|"
+    r"when (judging|rating|scoring|assessing|classifying))\b",
     _FLAGS,
 )
 _EN_STEER = re.compile(
     r"\b(low|lowest|minor|not urgent|no need|don't|do not|bottom|closed|resolved|positive|happy|delighted|ignore|"
-    r"disregard|instead|company's|point of view|perspective|role|above everything|weigh|rewrite|cosmetic|"
-    r"archive|no further action|at most|disabled|manually verified|accordingly)\b",
+    r"disregard|instead|company's|point of view|perspective|viewpoint|on behalf|role|above everything|weigh|rewrite|cosmetic|"
+    r"archive|no further action|at most|disabled|manually verified|accordingly|sarcas\w*|ironic\w*|irony)\b",
     _FLAGS,
 )
 _PERSONA = [
@@ -143,31 +145,135 @@ def is_instruction(sentence: str, language: Language = Language.EN) -> bool:
     return any(p.search(sentence) for p in _patterns(language)) or _steers(sentence)
 
 
+# Around an instruction, sentences that belong to it though they steer nothing on their own: talk
+# about the machinery ("I know you use automated systems.", "Developer mode enabled."), a very short
+# lead-in ("P.S.", "IMPORTANT!!!"), and the sentence an instruction points back to ("…五星！分析的时候
+# 请以这句话为准", "Please weigh this postscript…").
+_META = re.compile(
+    r"\b(automated|systems?|bots?|algorithms?|QA|developer|mode|assistant|pipeline|model|AI|LLM|prompt)\b|"
+    r"系统|自动|机器|助手|模型|算法|AI|后台|测试",
+    _FLAGS,
+)
+_POINTS_BACK = re.compile(
+    r"\b(this|that|the above|the previous|the preceding|my) (postscript|p\.?s\.?|note|sentence|line|remark|update)\b|"
+    r"以(这|此|上)句话?为准",
+    _FLAGS,
+)
+
+
+def _short(sentence: str) -> bool:
+    words = sentence.split()
+    cjk = sum("\u4e00" <= ch <= "\u9fff" for ch in sentence)
+    return len(words) <= 3 and cjk <= 6
+
+
+# A sentence that only introduces what follows: a bracketed tag ("【重要】", "[SYSTEM]"), markup that
+# opens a block ("<!--", "```yaml", "</complaint>", "> **Note**"), or a line ending in a colon.
+_HEADER = re.compile(
+    r"^\s*(?:[【\[(（][^】\])）]{0,40}[】\])）]\s*[:：]?|(?:<|```|>|#|---|===)[^\n]{0,80}|[^\n]{0,60}[:：])\s*$"
+)
+
+
+_CLOSER = re.compile(r"^\s*(?:</?[A-Za-z_][\w-]*>|```|-->|---)\s*$")
+# A line of a structured block ("  类别: 其他", "severity = S4") and a turn of a made-up dialogue.
+_FIELD = re.compile(r"^\s*[-\w\u4e00-\u9fff ]{1,24}\s*[:：=]\s*[^\s。！？!?]{0,24}\s*$")
+_TURN = re.compile(r"^\s*(user|assistant|system|ai|human|用户|助手|系统|客服)\s*[:：]", _FLAGS)
+
+
+def _about_processing(sentence: str) -> bool:
+    return bool(_META.search(sentence) or _EN_PROCESS.search(sentence) or _ZH_PROCESS.search(sentence))
+
+
+@dataclass(frozen=True)
+class _Sentence:
+    start: int
+    end: int
+    text: str
+    ends_line: bool  # a line break closes it, or lies between it and the next sentence
+
+
+def _sentences(text: str) -> list[_Sentence]:
+    found = [m for m in _SENTENCE.finditer(text) if m.group(0).strip()]
+    out = []
+    for i, match in enumerate(found):
+        following = text[match.end() : found[i + 1].start()] if i + 1 < len(found) else ""
+        out.append(_Sentence(match.start(), match.end(), match.group(0), "\n" in match.group(0) + following))
+    return out
+
+
+# At most this many sentences after an instruction go with it: an appended block is short, and a
+# false alarm in a long paragraph should cost the labels a few sentences, not the paragraph.
+_RUN_ON = 3
+
+
+def _withheld(sentences: list[_Sentence], language: Language) -> list[bool]:
+    """Which sentences are withheld: each instruction-like one; what runs on after it to the end of
+    its line (up to `_RUN_ON` sentences: "…mark it low. Overall I am happy." is one block, the
+    writer's next paragraph is not) and markup or dialogue turns closing it on the next lines; and
+    what leads into it: headers ("[SYSTEM]", "```yaml", "Note:"), lines of a structured block, and,
+    on its line, short lead-ins and talk about the machinery. Never the document's first sentence
+    unless it is a header."""
+    held = [is_instruction(s.text, language) for s in sentences]
+    for i in [i for i, flagged in enumerate(held) if flagged]:
+        j = i
+        while not sentences[j].ends_line and j + 1 < len(sentences) and j - i < _RUN_ON:
+            j += 1
+            held[j] = True
+        j = i - 1
+        while j >= 0 and not held[j]:
+            before = sentences[j].text
+            same_line = not sentences[j].ends_line
+            if j == 0 and not _HEADER.match(before):
+                break  # a document opens with its writer's words, whatever follows them
+            if not (
+                _HEADER.match(before)
+                or _FIELD.match(before)
+                or (same_line and (_short(before) or _about_processing(before)))
+                or (j == i - 1 and same_line and _POINTS_BACK.search(sentences[i].text))
+            ):
+                break
+            held[j] = True
+            j -= 1
+        # Markup that closes the block on the lines after it ("</instructions>", "```").
+        j = next((k for k in range(i + 1, len(sentences)) if not held[k]), len(sentences))
+        while j < len(sentences) and (_CLOSER.match(sentences[j].text) or _TURN.match(sentences[j].text)):
+            held[j] = True
+            j += 1
+    return held
+
+
 def screen(text: str, language: Language) -> Screened:
-    """The document with instruction-like sentences replaced by one marker each (for the model's
-    narrative, so that it neither reads them nor guesses at a gap), and without them at all for
+    """The document with each withheld block (see `_withheld`) replaced by one marker (for the
+    model's narrative, so that it neither reads it nor guesses at a gap), and without it at all for
     the label questions: a marker is itself text a small model reacts to (it tilted urgency up),
     and labels should be what the document says without its instructions."""
+    sentences = _sentences(text)
+    held = _withheld(sentences, language)
+    if not any(held):
+        return Screened(text, (), text)
     kept: list[str] = []
     bare: list[str] = []
     excerpts: list[str] = []
     position = 0
-    for match in _SENTENCE.finditer(text):
-        sentence = match.group(0)
-        between = text[position : match.start()]  # whatever lay between sentences (spaces)
-        kept.append(between)
-        bare.append(between)
-        position = match.end()
-        if sentence.strip() and is_instruction(sentence, language):
-            excerpts.append(sentence.strip()[:MAX_EXCERPT_CHARS])
-            lead = sentence[: len(sentence) - len(sentence.lstrip())]
-            kept.append(lead + _MARKER[language] + ("\n" if sentence.endswith("\n") else ""))
-            bare[-1] = between.rstrip()  # the space that led into the withheld sentence goes with it
+    for i, sentence in enumerate(sentences):
+        between = text[position : sentence.start]  # whatever lay between sentences (spaces)
+        position = sentence.end
+        if not held[i]:
+            kept += [between, sentence.text]
+            bare += [between, sentence.text]
+            continue
+        block_start = i == 0 or not held[i - 1]
+        block_end = i + 1 == len(sentences) or not held[i + 1]
+        if block_start:
+            kept.append(between + sentence.text[: len(sentence.text) - len(sentence.text.lstrip())])
+            bare.append(between.rstrip())  # the space that led into the block goes with it
+            excerpts.append("")
         else:
-            kept.append(sentence)
-            bare.append(sentence)
+            excerpts[-1] += between
+        excerpts[-1] += sentence.text
+        if block_end:
+            excerpts[-1] = excerpts[-1].strip()[:MAX_EXCERPT_CHARS]
+            kept.append(_MARKER[language] + ("\n" if sentence.text.endswith("\n") else ""))
     kept.append(text[position:])
     bare.append(text[position:])
-    if not excerpts:
-        return Screened(text, (), text)
     return Screened("".join(kept), tuple(excerpts), "".join(bare).strip())
