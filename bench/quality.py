@@ -37,7 +37,8 @@ from engine import Engine, EngineConfig
 from pipeline.analyzer import AnalysisFailed, Analyzer, LabelPolicy, Scored, decide
 from pipeline.codec import Document
 from pipeline.triage import apply_floor, safety_signals
-from prompts import hygiene, questions, screen
+from prompts import Question, hygiene, questions, screen
+from prompts.render import POLARITY_QUESTIONS
 from schemas import ANSWER_BOUNDS, Category, DocumentKind, Language, Triage, Urgency
 
 TEAM = Path(__file__).with_name("data") / "team-complaints.jsonl"
@@ -127,17 +128,38 @@ def tune(rows: list[dict[str, Any]], priors: dict[str, dict[str, list[float]]]) 
     the development split's accuracy over all its labels, neutral included."""
     asked = {lang: {q.name: q for q in questions(DocumentKind.FILING, Language(lang), "")} for lang in priors}
     grid: list[dict[str, Any]] = []
-    for weight in (0.0, 0.5, 1.0, 1.25, 1.5, 2.0):
-        for neutral_at in (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0):
-            policy = LabelPolicy(neutral_at=neutral_at, polarity_calibration=weight)
-            decided = []
-            for row in rows:
-                scored = Scored(asked[row["language"]], row["scores"], priors[row["language"]])
-                decided.append({**row, "polarity": decide(scored, policy).polarity.value})
-            grid.append({"neutral_at": neutral_at, "polarity_calibration": weight,
-                         **{k: polarity_report([r for r in decided if r["language"] == k or k == "all"])
-                            for k in ("all", "zh", "en")}})  # fmt: skip
+    stored = set(rows[0]["scores"])
+    for sides in side_combinations(stored):
+        for weight in (0.0, 0.5, 1.0, 1.25, 1.5, 2.0):
+            for neutral_at in (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0):
+                policy = LabelPolicy(
+                    neutral_at=neutral_at, polarity_calibration=weight, polarity_questions=sides
+                )
+                decided = replay(rows, asked, priors, policy)
+                grid.append({"neutral_at": neutral_at, "polarity_calibration": weight, "polarity_questions": sides,
+                             **{k: polarity_report([r for r in decided if r["language"] == k or k == "all"])
+                                for k in ("all", "zh", "en")}})  # fmt: skip
     return sorted(grid, key=lambda g: -g["all"]["accuracy"])
+
+
+def side_combinations(stored: set[str]) -> list[tuple[str, ...]]:
+    """Every non-empty set of side questions whose scores are stored, in the prompts' order."""
+    names = [n for n in POLARITY_QUESTIONS if n in stored]
+    return [tuple(n for i, n in enumerate(names) if mask >> i & 1) for mask in range(1, 1 << len(names))]
+
+
+def replay(
+    rows: list[dict[str, Any]],
+    asked: dict[str, dict[str, Question]],
+    priors: dict[str, dict[str, list[float]]],
+    policy: LabelPolicy,
+) -> list[dict[str, Any]]:
+    """Stored rows decided again under `policy` (no model)."""
+    return [
+        {**row, "polarity": decide(Scored(asked[row["language"]], row["scores"], priors[row["language"]]),
+                                   policy).polarity.value}
+        for row in rows
+    ]  # fmt: skip
 
 
 def hygiene_counts(language: Language, document_text: str, value: dict[str, Any]) -> Counter[str]:
@@ -186,7 +208,11 @@ async def run(args: Any) -> dict[str, Any]:
     model = common.model_path(args.model)
     config = EngineConfig(model_path=model, dynamic_batching=True, max_batch_size=16, kv_cache_bytes=1 << 30)
     engine = await asyncio.to_thread(Engine.from_config, config)
-    analyzer = Analyzer(engine, trace.NoOpTracer(), max_new_tokens=512, attempts=2)
+    # Every side question is asked and stored (so that `--tune` and the comparison below can replay
+    # them); the labels are decided by the service's default policy, which uses the ones it names.
+    asks_all = LabelPolicy(polarity_questions=POLARITY_QUESTIONS)
+    analyzer = Analyzer(engine, trace.NoOpTracer(), max_new_tokens=512, attempts=2, policy=asks_all)
+    policy = LabelPolicy()
     results: dict[str, Any] = {
         "model": engine.model_id,
         "dtype": str(engine.loaded.dtype),
@@ -202,7 +228,7 @@ async def run(args: Any) -> dict[str, Any]:
         started = time.perf_counter()
         scored = await labels_on(analyzer, docs)
         label_s = time.perf_counter() - started
-        decided = [decide(s, analyzer.policy) for s in scored]
+        decided = [decide(s, policy) for s in scored]
         rows = [
             {"source": r.source, "language": r.language, "label": r.polarity, "polarity": lab.polarity.value,
              "confidence": lab.confidence, "doubt": lab.doubt, "expectation": lab.expectation, "text": r.text,
@@ -210,9 +236,22 @@ async def run(args: Any) -> dict[str, Any]:
             for r, lab, s in zip(real, decided, scored, strict=True)
         ]  # fmt: skip
         results["split"] = args.split
-        results["policy"] = dataclasses.asdict(analyzer.policy)
+        results["policy"] = dataclasses.asdict(policy)
         results["priors"] = {d.language.value: s.priors for s, d in zip(scored, docs, strict=True)}
         results["labels_docs_per_min"] = 60 * len(docs) / label_s
+        asked = {
+            lang: {q.name: q for q in questions(DocumentKind.FILING, Language(lang), "")}
+            for lang in results["priors"]
+        }
+        results["side_questions"] = {}
+        for sides in side_combinations(set(POLARITY_QUESTIONS)):
+            again = replay(
+                rows, asked, results["priors"], dataclasses.replace(policy, polarity_questions=sides)
+            )
+            results["side_questions"]["+".join(sides)] = {
+                lang: polarity_report([r for r in again if lang == "all" or r["language"] == lang])
+                for lang in ("all", *args.languages)
+            }
         results["polarity"] = {
             "all": polarity_report(rows),
             **{lang: polarity_report([r for r in rows if r["language"] == lang]) for lang in args.languages},
@@ -231,7 +270,7 @@ async def run(args: Any) -> dict[str, Any]:
         team_docs = [
             document(10_000 + i, DocumentKind.COMPLAINT, t["language"], t["text"]) for i, t in enumerate(team)
         ]
-        team_labels = [decide(s, analyzer.policy) for s in await labels_on(analyzer, team_docs)]
+        team_labels = [decide(s, policy) for s in await labels_on(analyzer, team_docs)]
         team_out = []
         for t, d, lab in zip(team, team_docs, team_labels, strict=True):
             draft = Triage(
@@ -303,6 +342,14 @@ def show(results: dict[str, Any], console: Console) -> None:
         table.add_row(name, str(rep["n"]), f"{rep['accuracy']:.3f}", f"{rep['macro_f1']:.3f}", f"{rep['neutral_rate']:.2f}",
                       f"{rep['doubt_rate']:.2f}", f"{rep['expectation_rate']:.2f}")  # fmt: skip
     console.print(table)
+    sides = Table(
+        "side questions", "polarity acc.", "zh", "en", title="The same documents, each set of side questions"
+    )
+    for name, reps in results.get("side_questions", {}).items():
+        sides.add_row(
+            name, *(f"{reps[k]['accuracy']:.3f}" if k in reps else "-" for k in ("all", "zh", "en"))
+        )
+    console.print(sides)
     triage = Table(
         "lang",
         "n",
@@ -328,11 +375,11 @@ def show(results: dict[str, Any], console: Console) -> None:
 
 
 def show_grid(grid: list[dict[str, Any]], model: str, console: Console) -> None:
-    table = Table("calibration", "neutral above", "accuracy (all labels)", "binary acc.", "zh binary",
+    table = Table("side questions", "calibration", "neutral above", "accuracy (all labels)", "binary acc.", "zh binary",
                   "en binary", "neutral recall (zh)", title=f"Label policy on the development split — {model}")  # fmt: skip
     for g in grid[:15]:
         zh, en = g["zh"], g["en"]
-        table.add_row(f"{g['polarity_calibration']:.2f}", f"{g['neutral_at']:.2f}", f"{g['all']['accuracy']:.3f}",
+        table.add_row("+".join(g.get("polarity_questions", ("polarity",))), f"{g['polarity_calibration']:.2f}", f"{g['neutral_at']:.2f}", f"{g['all']['accuracy']:.3f}",
                       f"{g['all'].get('binary_accuracy', g['all']['accuracy']):.3f}",
                       f"{zh.get('binary_accuracy', zh['accuracy']):.3f}", f"{en['accuracy']:.3f}",
                       f"{zh.get('neutral_recall', 0):.2f}")  # fmt: skip

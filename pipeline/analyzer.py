@@ -39,7 +39,7 @@ from prompts import (
     render_repair,
     screen,
 )
-from prompts.render import CONTENT_FREE
+from prompts.render import CONTENT_FREE, POLARITY_QUESTIONS
 from schemas import (
     Analysis,
     Category,
@@ -125,6 +125,9 @@ class LabelPolicy:
 
     neutral_at: float = 0.9  # neutral when P(no evaluation), calibrated, exceeds this
     polarity_calibration: float = 1.0  # share of the content-free prior divided out (0: none)
+    # The side questions asked and combined (their calibrated log-odds averaged); see
+    # `prompts.render.POLARITY_QUESTIONS`. Those not named here are not asked.
+    polarity_questions: tuple[str, ...] = ("polarity",)
 
 
 def probabilities(
@@ -150,13 +153,27 @@ def choose(
     return question.values[best], shares[best]
 
 
+def combined_side(scored: Scored, policy: LabelPolicy) -> tuple[str, float]:
+    """Positive or negative, and its probability: each named side question's calibrated log-odds
+    of positive against negative, averaged (one question: exactly `choose`)."""
+    odds = []
+    for name in policy.polarity_questions:
+        question = scored.asked[name]
+        shares = probabilities(scored.logprobs[name], scored.priors.get(name), policy.polarity_calibration)
+        positive = shares[question.values.index(Polarity.POSITIVE.value)]
+        odds.append(math.log(max(positive, 1e-12)) - math.log(max(1 - positive, 1e-12)))
+    mean = sum(odds) / len(odds)
+    p_positive = 1 / (1 + math.exp(-mean))
+    if p_positive >= 0.5:
+        return Polarity.POSITIVE.value, p_positive
+    return Polarity.NEGATIVE.value, 1 - p_positive
+
+
 def decide(scored: Scored, policy: LabelPolicy) -> Labels:
     """The labels of scored questions: polarity from its two sides unless the attitude question
     finds no evaluation (neutral, with that probability as the confidence)."""
     asked, logprobs, priors = scored.asked, scored.logprobs, scored.priors
-    side, confidence = choose(
-        asked["polarity"], logprobs["polarity"], priors.get("polarity"), policy.polarity_calibration
-    )
+    side, confidence = combined_side(scored, policy)
     attitude = probabilities(logprobs["attitude"], priors.get("attitude"))
     p_none = attitude[asked["attitude"].values.index("false")]
     polarity = Polarity(side)
@@ -165,7 +182,7 @@ def decide(scored: Scored, policy: LabelPolicy) -> Labels:
     pick = {
         name: choose(asked[name], logprobs[name], priors.get(name))[0]
         for name in asked
-        if name not in ("polarity", "attitude")
+        if name not in (*POLARITY_QUESTIONS, "attitude")
     }
     return Labels(
         polarity,
@@ -210,7 +227,7 @@ class Analyzer:
             if params.json_schema is not None:
                 await self.engine.prepare(params.json_schema)
         for language in Language:
-            for question in questions(DocumentKind.COMPLAINT, language, ""):
+            for question in self._asked(DocumentKind.COMPLAINT, language, "").values():
                 if question.calibrate:
                     await self._prior(language, question.name)
 
@@ -244,12 +261,17 @@ class Analyzer:
     async def scores(self, kind: DocumentKind, language: Language, text: str) -> Scored:
         """Every labelling question of a (screened) document scored: polarity first, whose
         prompt's blocks the other questions then find in the engine's prefix cache."""
-        asked = {q.name: q for q in questions(kind, language, text)}
-        first = await self._score(asked["polarity"])
-        names = [n for n in asked if n != "polarity"]
+        asked = self._asked(kind, language, text)
+        lead, *names = asked
+        first = await self._score(asked[lead])
         rest = await asyncio.gather(*(self._score(asked[n]) for n in names))
         priors = {n: await self._prior(language, n) for n, q in asked.items() if q.calibrate}
-        return Scored(asked, {"polarity": first, **dict(zip(names, rest, strict=True))}, priors)
+        return Scored(asked, {lead: first, **dict(zip(names, rest, strict=True))}, priors)
+
+    def _asked(self, kind: DocumentKind, language: Language, text: str) -> dict[str, Question]:
+        """The questions the policy uses, a side question first."""
+        unused = set(POLARITY_QUESTIONS) - set(self.policy.polarity_questions)
+        return {q.name: q for q in questions(kind, language, text) if q.name not in unused}
 
     async def label(self, kind: DocumentKind, language: Language, text: str) -> Labels:
         """The labels of a (screened) document."""

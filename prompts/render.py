@@ -37,6 +37,10 @@ POLARITY_WORDS = {
     Language.EN: {Polarity.POSITIVE: "positive", Polarity.NEGATIVE: "negative", Polarity.NEUTRAL: "neutral"},
 }
 _YES_NO = {Language.ZH: ("是", "否"), Language.EN: ("yes", "no")}
+_GOOD_BAD = {Language.ZH: ("好", "坏"), Language.EN: ("good", "bad")}
+# Every question that asks for the document's side, `polarity` first; the label policy combines
+# the ones it names (`pipeline.analyzer.LabelPolicy.polarity_questions`).
+POLARITY_QUESTIONS = ("polarity", "polarity_reversed", "outcome")
 _URGENCY_WORDS = {
     Language.ZH: {Urgency.LOW: "低", Urgency.MEDIUM: "中", Urgency.HIGH: "高", Urgency.CRITICAL: "危急"},
     Language.EN: {
@@ -147,6 +151,13 @@ def questions(kind: DocumentKind, language: Language, text: str) -> list[Questio
     asked = [
         Question("polarity", _prompt(kind, language, text, _template(language, "ask_polarity").template),
                  tuple(words[p] for p in sides), tuple(p.value for p in sides), calibrate=True),
+        # The same side asked twice more: with the answer words in the other order, and as "good or
+        # bad for those concerned" (news about a firm has no writer's attitude to read).
+        Question("polarity_reversed",
+                 _prompt(kind, language, text, _template(language, "ask_polarity_reversed").template),
+                 tuple(words[p] for p in sides), tuple(p.value for p in sides), calibrate=True),
+        Question("outcome", _prompt(kind, language, text, _template(language, "ask_outcome").template),
+                 _GOOD_BAD[language], tuple(p.value for p in sides), calibrate=True),
         Question("attitude", _prompt(kind, language, text, _template(language, "ask_attitude").template),
                  (yes, no), ("true", "false"), calibrate=True),
         Question("doubt", _prompt(kind, language, text, _template(language, "ask_doubt").template),

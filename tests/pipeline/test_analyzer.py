@@ -85,3 +85,34 @@ async def test_a_document_without_attitude_is_neutral_and_non_complaints_have_no
     prior_yes, prior_no = 1 / (1 + math.exp(-2)), 1 / (1 + math.exp(2))
     yes, no = -3 - math.log(prior_yes), 0 - math.log(prior_no)
     assert outcome.analysis.sentiment.confidence == pytest.approx(1 / (1 + math.exp(yes - no)), abs=1e-3)
+
+
+def test_side_questions_are_combined_by_their_calibrated_log_odds() -> None:
+    asked = {q.name: q for q in questions(DocumentKind.FILING, Language.EN, "x")}
+    logprobs = {
+        "polarity": [math.log(0.6), math.log(0.4)],  # positive, mildly
+        "outcome": [math.log(0.1), math.log(0.9)],  # bad, firmly
+        "attitude": [0.0, -5.0],
+        "doubt": [0.0, -1.0],
+        "expectation": [-1.0, 0.0],
+    }
+    scored = Scored(asked, logprobs, {})
+    one = decide(scored, LabelPolicy(polarity_questions=("polarity",)))
+    assert one.polarity is Polarity.POSITIVE and one.confidence == pytest.approx(0.6, abs=1e-4)
+    both = decide(scored, LabelPolicy(polarity_questions=("polarity", "outcome")))
+    mean = (math.log(0.6 / 0.4) + math.log(0.1 / 0.9)) / 2
+    assert both.polarity is Polarity.NEGATIVE and both.confidence == pytest.approx(
+        1 / (1 + math.exp(mean)), abs=1e-4
+    )
+
+
+async def test_only_the_side_questions_the_policy_combines_are_asked() -> None:
+    for sides, expected in ((("polarity",), 1), (("polarity", "polarity_reversed", "outcome"), 3)):
+        engine = ScriptedEngine()
+        analyzer = Analyzer(engine, trace.NoOpTracer(), max_new_tokens=256, attempts=2,
+                            policy=LabelPolicy(polarity_questions=sides))  # fmt: skip
+        await analyzer.prepare()
+        before = engine.scored
+        await analyzer.label(DocumentKind.FILING, Language.EN, "The service was fine.")
+        # attitude, doubt and expectation, and each side question once
+        assert engine.scored - before == 3 + expected, sides
