@@ -50,9 +50,6 @@ class EngineStats:
     model_id: str
     device: str
     dtype: str
-    dynamic_batching: bool
-    kv_compression: bool
-    max_batch_size: int
     num_waiting: int
     num_running: int
     num_steps: int
@@ -78,11 +75,6 @@ class EngineStats:
         if not self.kv_tokens:
             return 1.0
         return self.kv_used_bytes / self.kv_tokens / self.kv_bytes_per_token
-
-    @property
-    def batch_occupancy(self) -> float:
-        """Mean sequences per step as a share of the most allowed."""
-        return self.mean_batch_size / self.max_batch_size if self.max_batch_size else 0.0
 
 
 class Engine:
@@ -256,9 +248,6 @@ class Engine:
             model_id=self.model_id,
             device=str(self.loaded.device),
             dtype=str(self.loaded.dtype).removeprefix("torch."),
-            dynamic_batching=self.config.dynamic_batching,
-            kv_compression=self.config.kv_compression,
-            max_batch_size=self.config.max_batch_size,
             num_waiting=len(self.scheduler.waiting),
             num_running=len(self.scheduler.running),
             num_steps=self._num_steps,

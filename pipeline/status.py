@@ -15,7 +15,7 @@ def status_report(service: Service) -> dict[str, Any]:
         "status": "ready" if service.is_ready else "starting",
         "grammars_ready": service.grammars_ready,
         "dynamic_batching": config.dynamic_batching,
-        "kv_compression": stats.kv_compression,
+        "kv_compression": config.kv_compression,
         "kv_profile": {
             "quant_bits": stats.kv_quant_bits,
             "residual_tokens": config.kv_residual_tokens,
@@ -24,7 +24,7 @@ def status_report(service: Service) -> dict[str, Any]:
             "prune_policy": config.kv_prune_policy,
             "reader": stats.kv_reader,
         }
-        if stats.kv_compression
+        if config.kv_compression
         else None,
         "max_batch_size": config.max_batch_size,
         "dynamic_batch_window_ms": config.dynamic_batch_window_ms,
@@ -45,7 +45,8 @@ def status_report(service: Service) -> dict[str, Any]:
             "steps": stats.num_steps,
             "mean_batch_size": round(stats.mean_batch_size, 3),
             "largest_batch": stats.largest_batch,
-            "batch_occupancy": round(stats.batch_occupancy, 3),
+            # mean sequences per step as a share of the most allowed
+            "batch_occupancy": round(stats.mean_batch_size / config.max_batch_size, 3),
             "generated_tokens": stats.num_generated_tokens,
             "preemptions": stats.num_preemptions,
         },
