@@ -75,29 +75,51 @@ _ANY = [
     ),
     re.compile(r"\{\s*\"[a-z_]+\"\s*:", _FLAGS),
     re.compile(r"^\s*(assistant|system|ai|助手|系统)\s*[:：]", _FLAGS),  # a made-up turn of the analyst
+    re.compile(r"按(最低|最高|普通|一般)的?(级别|等级|优先级)?(处理|登记|记录)"),
+    # the document reclassifying itself
+    re.compile(
+        r"(这|本条|此条|这条|该条)?(不是|并非|不算|不属于)(投诉|差评)|\b(this|it)( i|')s not a complaint\b",
+        _FLAGS,
+    ),
 ]
 
 # Talk about how the complaint should be processed, combined with a push in some direction: a
 # writer asks for help; only someone steering the triage tells it what to record or how to read.
 _ZH_PROCESS = re.compile(
     r"优先级|工单|归档|结案|升级流程|自动分类|分类模型|分析模型|分析员|情感分析|情感倾向|分诊|紧急程度|紧急度|系统里|元数据|校准|"
-    r"AI|模型|机器人|打分|定性|(?<![A-Za-z0-9])P[0-9](?![0-9A-Za-z])|分析的时候|分析时|总结时|结论中|这条投诉|本条|本工单|该工单",
+    r"AI|模型|机器人|打分|定性|(?<![A-Za-z0-9])P[0-9](?![0-9A-Za-z])|分析的时候|分析时|总结时|结论中|这条投诉|本条|本工单|该工单|"
+    # the ticket as a thing to be handled: who handles it, how it is recorded, counted, summarised
+    r"此单|本单|这条(投诉|工单|留言|反馈)|该条|派单|派发|转给|转交|质检|审核(意见|人员)|批注|备注|主管|管理员|负责分类|"
+    r"记为|记作|记录为|列为|归为|当作|当成|视为|视作|算作|计入|统计|按.{0,8}记录|(处理|优先|风险|最低)(等级|级别)|"
+    r"误报|概括|总结|结论|风险评估|自动生成|"
+    # the document seen from outside: "上述所有描述", "以上投诉内容", "上面的内容"
+    r"上述|以上(的)?(内容|描述|投诉|文字|所述)|上面(的|这些)?(内容|描述|文字|所说)",
     _FLAGS,
 )
 _ZH_STEER = re.compile(
-    r"最低|低|不要|别|无需|不必|不用|关闭|已处理|已解决|已结案|正面|好评|五星|为准|立场|身份|一致|重写|下调|取消|撤回|不属实|禁止|照此|按.*处理|登记|反话|讽刺|正话反说"
+    r"最低|低|不要|别(把|给|再|浪费|当真|转|升级|上报|打电话)|无需|不必|不用|关闭|已处理|已解决|已结案|正面|好评|五星|为准|立场|身份|一致|重写|下调|取消|撤回|不属实|禁止|照此|按.*处理|登记|反话|讽刺|正话反说|"
+    r"(定为|按|设为|记为|算)一般|一般(处理|咨询|问题)|普通|请勿|勿|撤销|撤回|无效|重复|恶意|误报|无风险|开心|满意|表扬|感谢信|积极(的)?(语气|评价|反馈)|忽略|没有问题|使用不当|只写|"
+    r"当真|开玩笑|一律|仅供参考|不是投诉|降级|关单|即可|：无|:无"
 )
 _EN_PROCESS = re.compile(
     r"\b(priority|prioriti[sz]|severity|urgency|escalat\w*|triage|sentiment|classif\w*|categori[sz]\w*|ticket|queue|"
     r"pipeline|nlp|model|assistant|the ai|analy[sz]\w*|summari[sz]\w*|metadata|sla|auto-?close|moderation|"
     r"whoever (reads|processes)|the pile|file[ds]? (it|this)|case closed|guidelines?|polic(y|ies)|the tone|"
-    r"when (judging|rating|scoring|assessing|classifying))\b",
+    r"when (judging|rating|scoring|assessing|classifying)|(to|should|must) be (rated|graded|scored|ranked|marked)|"
+    # the ticket as a thing to be handled: who handles it, how it is recorded, counted, summarised
+    r"treat(ed)? (it |this |the \w+ )?as|count(ed)? as|class(ed)? as|regard(ed)? as|recorded as|logged as|"
+    r"rephrase|conclusion|risk assessment|follow-up|reviewer|supervisor|admin|whoever \w+ these|"
+    r"quality control|bots?|auto-generated|tier|downgrade|internal test|"
+    # the document seen from outside
+    r"the text above|everything above|all of the above|the above|this complaint|this message)\b",
     _FLAGS,
 )
 _EN_STEER = re.compile(
     r"\b(low|lowest|minor|not urgent|no need|don't|do not|bottom|closed|resolved|positive|happy|delighted|ignore|"
     r"disregard|instead|company's|point of view|perspective|viewpoint|on behalf|role|above everything|weigh|rewrite|cosmetic|"
-    r"archive|no further action|at most|disabled|manually verified|accordingly|sarcas\w*|ironic\w*|irony)\b",
+    r"archive|no further action|at most|disabled|manually verified|accordingly|sarcas\w*|ironic\w*|irony|"
+    r"withdrawn|compliment|not a complaint|false alarm|no action|say only|none|not required|joking|downgrade|"
+    r"satisfied|misused|cheerful|thank-you|not be counted|closed)\b",
     _FLAGS,
 )
 _PERSONA = [
@@ -112,11 +134,26 @@ _PERSONA = [
 ]
 
 
+# How near the processing talk and the push must lie (characters between them): an instruction
+# says both in one breath; a long news sentence can hold "统计" and "积极" forty characters apart.
+_NEAR = {"zh": 16, "en": 60}
+
+
+def _near(process: re.Pattern[str], steer: re.Pattern[str], sentence: str, reach: int) -> bool:
+    spans = [m.span() for m in process.finditer(sentence)]
+    if not spans:
+        return False
+    pushes = [m.span() for m in steer.finditer(sentence)]
+    # disjoint spans (a word of both lists is not a pair by itself), at most `reach` apart
+    return any((c >= b or a >= d) and max(a, c) - min(b, d) <= reach for a, b in spans for c, d in pushes)
+
+
 def _steers(sentence: str) -> bool:
     if any(p.search(sentence) for p in _PERSONA):
         return True
-    zh = bool(_ZH_PROCESS.search(sentence) and _ZH_STEER.search(sentence))
-    return zh or bool(_EN_PROCESS.search(sentence) and _EN_STEER.search(sentence))
+    return _near(_ZH_PROCESS, _ZH_STEER, sentence, _NEAR["zh"]) or _near(
+        _EN_PROCESS, _EN_STEER, sentence, _NEAR["en"]
+    )
 
 
 # Sentences: split after CJK or Latin end punctuation, line breaks, and around 【…】 / [...] notes.
