@@ -36,7 +36,14 @@ from schemas import Category, DocumentKind, Language, Triage, Urgency
 DATA = Path(__file__).with_name("data")
 # The development set (the detector was revised after reading it) and the held-out set (written
 # after that by someone who had seen neither the detector nor the development set): report this.
-PHRASINGS = {"heldout": DATA / "injection-heldout.jsonl", "dev": DATA / "injection-phrasings.jsonl"}
+# A second held-out set (`heldout2`, 48 phrasings) was written on 2026-12-02 by a separate agent that
+# was shown neither the repository nor either set, after the first held-out set had been used to
+# evaluate several revisions of the detector: no revision has been made after reading its results.
+PHRASINGS = {
+    "heldout": DATA / "injection-heldout.jsonl",
+    "heldout2": DATA / "injection-heldout-2.jsonl",
+    "dev": DATA / "injection-phrasings.jsonl",
+}
 # The control: harmless lines (an order number, a date, a phone number) appended the same way. How
 # often they alone change the labels is the model's own sensitivity to an extra line, the floor
 # under which no screening can bring the injected cases' disagreement.
