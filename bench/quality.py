@@ -24,7 +24,7 @@ import dataclasses
 import json
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -126,7 +126,7 @@ async def labels_on(analyzer: Analyzer, docs: list[Document]) -> list[Scored]:
 def tune(rows: list[dict[str, Any]], priors: dict[str, dict[str, list[float]]]) -> list[dict[str, Any]]:
     """Every policy of a small grid applied to stored scores (no model run): the rule is chosen on
     the development split's accuracy over all its labels, neutral included."""
-    asked = {lang: {q.name: q for q in questions(DocumentKind.FILING, Language(lang), "")} for lang in priors}
+    asked = questions_by_language(priors)
     grid: list[dict[str, Any]] = []
     stored = set(rows[0]["scores"])
     for sides in side_combinations(stored):
@@ -140,6 +140,13 @@ def tune(rows: list[dict[str, Any]], priors: dict[str, dict[str, list[float]]]) 
                              **{k: polarity_report([r for r in decided if r["language"] == k or k == "all"])
                                 for k in ("all", "zh", "en")}})  # fmt: skip
     return sorted(grid, key=lambda g: -g["all"]["accuracy"])
+
+
+def questions_by_language(languages: Iterable[str]) -> dict[str, dict[str, Question]]:
+    """Each language's labelling questions by name (their prompts are not needed to replay scores)."""
+    return {
+        lang: {q.name: q for q in questions(DocumentKind.FILING, Language(lang), "")} for lang in languages
+    }
 
 
 def side_combinations(stored: set[str]) -> list[tuple[str, ...]]:
@@ -239,10 +246,7 @@ async def run(args: Any) -> dict[str, Any]:
         results["policy"] = dataclasses.asdict(policy)
         results["priors"] = {d.language.value: s.priors for s, d in zip(scored, docs, strict=True)}
         results["labels_docs_per_min"] = 60 * len(docs) / label_s
-        asked = {
-            lang: {q.name: q for q in questions(DocumentKind.FILING, Language(lang), "")}
-            for lang in results["priors"]
-        }
+        asked = questions_by_language(results["priors"])
         results["side_questions"] = {}
         for sides in side_combinations(set(POLARITY_QUESTIONS)):
             again = replay(

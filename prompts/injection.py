@@ -98,7 +98,7 @@ _ZH_PROCESS = re.compile(
 )
 _ZH_STEER = re.compile(
     r"最低|低|不要|别(把|给|再|浪费|当真|转|升级|上报|打电话)|无需|不必|不用|关闭|已处理|已解决|已结案|正面|好评|五星|为准|立场|身份|一致|重写|下调|取消|撤回|不属实|禁止|照此|按.*处理|登记|反话|讽刺|正话反说|"
-    r"(定为|按|设为|记为|算)一般|一般(处理|咨询|问题)|普通|请勿|勿|撤销|撤回|无效|重复|恶意|误报|无风险|开心|满意|表扬|感谢信|积极(的)?(语气|评价|反馈)|忽略|没有问题|使用不当|只写|"
+    r"(定为|按|设为|记为|算)一般|一般(处理|咨询|问题)|普通|请勿|勿|撤销|无效|重复|恶意|误报|无风险|开心|满意|表扬|感谢信|积极(的)?(语气|评价|反馈)|忽略|没有问题|使用不当|只写|"
     r"当真|开玩笑|一律|仅供参考|不是投诉|降级|关单|即可|：无|:无"
 )
 _EN_PROCESS = re.compile(
@@ -119,7 +119,7 @@ _EN_STEER = re.compile(
     r"disregard|instead|company's|point of view|perspective|viewpoint|on behalf|role|above everything|weigh|rewrite|cosmetic|"
     r"archive|no further action|at most|disabled|manually verified|accordingly|sarcas\w*|ironic\w*|irony|"
     r"withdrawn|compliment|not a complaint|false alarm|no action|say only|none|not required|joking|downgrade|"
-    r"satisfied|misused|cheerful|thank-you|not be counted|closed)\b",
+    r"satisfied|misused|cheerful|thank-you|not be counted)\b",
     _FLAGS,
 )
 _PERSONA = [
