@@ -2,9 +2,12 @@
 (a refactor, a new step) move the engine's speed?
 
 Each round runs the engine on the burst (`bench.engine_bench --part`, every request at t=0) in a
-fresh process of each checkout, the order alternating from round to round (`before` first in even
-rounds), for each variant named. The ratio after/before is taken within each round (this
+fresh process of each checkout, the order rotating from round to round (each checkout first in
+turn), for each variant named. The ratio after/before is taken within each round (this
 machine's timings drift by several per cent over minutes) and the median round is reported.
+With `--aa`, each round also runs the `before` checkout a second time ("again"): the spread of
+again/before, identical code, is this machine's noise between processes, the yardstick for
+after/before.
 
     python -m bench.compare_trees --before ../main --after . --rounds 3 \
         --out bench/results/compare-structure-cpu.json
@@ -50,10 +53,13 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--aa", action="store_true", help="also run `before` twice a round (the noise)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/compare-trees.json"))
     args = parser.parse_args()
     args.model = common.model_path(args.model)
     trees = {"before": args.before.resolve(), "after": args.after.resolve()}
+    if args.aa:
+        trees["again"] = trees["before"]
     commits = {
         name: subprocess.run(
             ["git", "describe", "--always", "--dirty"],  # noqa: S607 - git from PATH
@@ -66,7 +72,8 @@ def main() -> None:
     }
     rows: list[dict[str, Any]] = []
     for round_ in range(args.rounds):
-        order = ["before", "after"] if round_ % 2 == 0 else ["after", "before"]
+        names = list(trees)
+        order = names[round_ % len(names) :] + names[: round_ % len(names)]  # each first in turn
         for variant in args.variants.split(","):
             for name in order:
                 run = burst(trees[name], variant, args)
@@ -90,6 +97,11 @@ def main() -> None:
         }
         table.add_row(variant, f"{before:.1f}", f"{after:.1f}", " ".join(f"{r:.3f}" for r in ratios),
                       f"{statistics.median(ratios):.3f}")  # fmt: skip
+        if args.aa:
+            noise = [rate[(i, "again")] / rate[(i, "before")] for i in range(args.rounds)]
+            summary[variant] |= {"again_ratios": noise, "again_median_ratio": statistics.median(noise)}
+            table.add_row(f"{variant} (before again: noise)", f"{before:.1f}", "",
+                          " ".join(f"{r:.3f}" for r in noise), f"{statistics.median(noise):.3f}")  # fmt: skip
     Console().print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"commits": commits, "config": {k: str(v) for k, v in vars(args).items()},
