@@ -8,7 +8,7 @@ KAFKA_VERSION := $(shell sed -n 's:.*<kafka.version>\(.*\)</kafka.version>.*:\1:
 KAFKA_LIBS    := $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/deepanalyze/kafka-$(KAFKA_VERSION)/libs
 KAFKA_STAMP   := $(KAFKA_LIBS)/.resolved-$(shell sha1sum deploy/kafka/pom.xml | cut -c1-12)
 
-.PHONY: install model-large demo test lint typecheck unit schemas bench bench-full bench-engine bench-validity bench-kv bench-pipeline bench-faults clean bench-cuda
+.PHONY: install model-large demo test lint typecheck unit schemas bench bench-full bench-engine bench-validity bench-kv bench-pipeline bench-faults clean bench-cuda bench-peers
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -70,6 +70,12 @@ bench-pipeline: install
 # rebalance), at-least-once and exactly-once, with the stand-in analyser: lost and duplicates.
 bench-faults: install
 	$(BIN)/python -m bench.kafka_faults --out bench/results/kafka-faults.json
+
+# Our engine beside vLLM's CPU build and llama.cpp's server, same workload, same run: builds their
+# environments under .peers/ first (bench/peers_setup.sh: a few GB of downloads, ~10 minutes once).
+bench-peers: install
+	bash bench/peers_setup.sh
+	$(BIN)/python -m bench.peers --rounds 3 --out bench/results/peers-cpu.json
 
 # On a GPU host (CUDA torch on its python3): engine tests on CUDA + the 8B-shaped engine benchmark.
 # `bench/cuda_prepare.sh`, run where PyPI answers, puts the wheels and tokenizer it needs in .cuda/.

@@ -142,6 +142,9 @@ def main() -> None:
         "--isolate", action=argparse.BooleanOptionalAction, default=True, help="a fresh process per variant"
     )
     parser.add_argument("--ttft-isolation", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument(
+        "--warm-up", action="store_true", help="first one short request unmeasured (as servers get)"
+    )
     parser.add_argument("--kv-cache-mib", type=int, default=1024, help="the engine's KV pool")
     parser.add_argument(
         "--random-shape", choices=sorted(SHAPES), help="a model of this shape with random weights (GPU hosts)"
@@ -182,7 +185,7 @@ def main() -> None:
     else:
         loaded = load_model(args.model, dtype=args.dtype)
     pool = args.kv_cache_mib * 2**20
-    prompts = load_prompts(loaded, args.docs)
+    prompts = load_prompts(loaded.tokenizer, args.docs)
     n = args.new_tokens
     at = {"burst": [0.0] * len(prompts), "stream": arrivals(len(prompts), args.rate)}
 
@@ -202,6 +205,10 @@ def main() -> None:
     if cuda:  # one-off CUDA start-up costs (cuBLAS, kernels) go unmeasured
         hf_generate(loaded, prompts[:1], 4, [0.0], 1)
         engine_run(loaded, prompts[:2], 4, [0.0, 0.0], True, args.max_batch, args.step_tokens, True, pool)
+    elif args.warm_up:  # ids no prompt starts with: nothing of the workload is cached by it
+        engine_run(
+            loaded, [list(range(1000, 1032))], 8, [0.0], True, args.max_batch, args.step_tokens, True, pool
+        )
     runs = []
     for round_, name, scenario in rounds:
         console.print(f"running {name} / {scenario}{f' (round {round_ + 1})' if round_ else ''} ...")

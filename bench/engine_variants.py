@@ -87,17 +87,18 @@ class PeakRSS:
         return self.peak / 2**20
 
 
-def load_prompts(loaded: LoadedModel, count: int) -> list[list[int]]:
+def load_prompts(tokenizer: Any, count: int) -> list[list[int]]:
+    """The first `count` corpus documents of a fixed shuffle, as the service's prompts (token ids)."""
     docs = [json.loads(line) for line in CORPUS.read_text(encoding="utf-8").splitlines()]
     rng = random.Random(7)
     rng.shuffle(docs)  # a deterministic mix of kinds, languages and lengths
-    return [prompt_ids(loaded, doc) for doc in docs[:count]]
+    return [prompt_ids(tokenizer, doc) for doc in docs[:count]]
 
 
-def prompt_ids(loaded: LoadedModel, doc: dict[str, Any]) -> list[int]:
+def prompt_ids(tokenizer: Any, doc: dict[str, Any]) -> list[int]:
     """A corpus document's prompt as the service renders it, as token ids."""
     prompt = render(DocumentKind(doc["kind"]), Language(doc["language"]), doc["text"])
-    ids = loaded.tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
@@ -236,7 +237,7 @@ def ttft_isolation(
     long prompts are documents not seen before (a cached prompt would not be prefilling), and
     the short request arrives at a random point of the long prefills (seeded), so the p95
     covers arrivals at any phase of a step."""
-    prompts = sorted(load_prompts(loaded, 60), key=len)
+    prompts = sorted(load_prompts(loaded.tokenizer, 60), key=len)
     short, longs = prompts[0], prompts[-4 * reps :]
     rng = random.Random(3)
 

@@ -78,7 +78,7 @@ def main() -> None:
     console = Console(width=150)
     args.model = common.model_path(args.model)
     loaded = load_model(args.model, dtype="bfloat16")
-    prompts = [prompt_ids(loaded, doc) for doc in load_corpus(args.docs)]
+    prompts = [prompt_ids(loaded.tokenizer, doc) for doc in load_corpus(args.docs)]
     at = [0.0] * len(prompts)
     runs: list[dict[str, Any]] = []
     for round_ in range(args.rounds):
