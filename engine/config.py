@@ -40,8 +40,16 @@ class EngineOptions(BaseModel):
         default="auto", description="auto: quantised KV blocks read by a C kernel built at start (CPU)."
     )
     max_tokens_per_step: int = Field(default=192, ge=1, description="Prefill chunks + decodes per forward.")
+    max_model_len: int = Field(
+        default=8192,
+        ge=16,
+        description="Longest request (prompt + new tokens) in tokens; the model's context if less.",
+    )
     kv_cache_bytes: int | None = Field(
-        default=None, ge=1, description="KV pool budget; default: a share of free memory."
+        default=None,
+        ge=1,
+        description="KV pool budget; default: what the batch can use (max_batch_size requests of "
+        "max_model_len tokens), at most kv_cache_memory_fraction of free memory.",
     )
     kv_cache_memory_fraction: float = Field(default=0.2, gt=0, le=0.95)
     prefix_caching: bool = Field(default=True, description="Reuse the KV blocks of shared prompt prefixes.")

@@ -84,7 +84,9 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         loaded.model.set_attn_implementation(register())
         shape = KVShape.of(loaded.model.config, loaded.dtype)
-        self.cache = build_cache(config, shape, loaded.device)
+        model_context = int(getattr(loaded.model.config, "max_position_embeddings", 32768))
+        self.max_context = min(model_context, config.max_model_len)
+        self.cache = build_cache(config, shape, loaded.device, self.max_context)
         num_blocks, num_cold = self.cache.num_blocks, self.cache.cold.num_blocks if self.cache.cold else 0
         prefix_caching = config.prefix_caching and not config.pruning
         if config.prefix_caching and config.pruning:
@@ -103,7 +105,6 @@ class Engine:
         )
         self.runner = ModelRunner(loaded, self.cache, self.blocks, compression.attention_window)
         self._token_text: dict[int, str] = {}
-        self.max_context = int(getattr(loaded.model.config, "max_position_embeddings", 32768))
         self.eos_ids = _eos_ids(loaded)
         self._next_id = id_counter()
         self._sequences: dict[int, Sequence] = {}
@@ -189,7 +190,8 @@ class Engine:
         if needed > self.max_context:
             raise EngineError(
                 f"prompt of {len(prompt_ids)} tokens + {params.max_new_tokens} new tokens "
-                f"exceeds the model's context of {self.max_context}"
+                f"exceeds the longest request accepted, {self.max_context} tokens (MAX_MODEL_LEN, "
+                "at most the model's context)"
             )
         capacity = self.blocks.num_blocks + self.blocks.num_cold_blocks
         if self.blocks.blocks_for(needed) > capacity:

@@ -212,8 +212,8 @@ class Compressor:
         return moves
 
 
-def pool_budget(config: EngineConfig, device: torch.device) -> int:
-    """The KV byte budget: KV_CACHE_BYTES, else a share of free memory."""
+def pool_cap(config: EngineConfig, device: torch.device) -> int:
+    """The most the KV pool may take: KV_CACHE_BYTES, else a share of free memory."""
     if config.kv_cache_bytes is not None:
         return config.kv_cache_bytes
     if device.type == "cuda":
@@ -225,21 +225,27 @@ def pool_budget(config: EngineConfig, device: torch.device) -> int:
     return int(free * config.kv_cache_memory_fraction)
 
 
-def build_cache(config: EngineConfig, shape: KVShape, device: torch.device) -> KVCache:
-    """The pool for the byte budget. Uncompressed: all full-precision blocks. Compressed: enough
-    full-precision blocks for every running sequence's sinks, recent window and one step's
-    prompt chunk, the rest of the budget as quantised blocks."""
-    budget, size = pool_budget(config, device), config.block_size
+def build_cache(config: EngineConfig, shape: KVShape, device: torch.device, max_len: int) -> KVCache:
+    """The pool. Its size: KV_CACHE_BYTES when set; else what the batch can use, every running
+    sequence at `max_len` tokens, within a share of free memory. Uncompressed: all full-precision
+    blocks. Compressed: enough full-precision blocks for every running sequence's sinks, recent
+    window and one step's prompt chunk, the rest as quantised blocks."""
+    cap, size = pool_cap(config, device), config.block_size
     hot_bytes = shape.bytes_per_token * size
+    # with the default budget, blocks beyond every running sequence at full length would stay idle
+    usable = None if config.kv_cache_bytes is not None else config.effective_batch_size * -(-max_len // size)
     if not config.quantising:
-        return KVCache(shape, max(1, budget // hot_bytes), size, device)
+        blocks = cap // hot_bytes if usable is None else min(cap // hot_bytes, usable)
+        return KVCache(shape, max(1, blocks), size, device)
     fmt = QuantFormat(config.kv_quant_bits)
     per_seq = -(-config.kv_sink_tokens // size) + -(-config.kv_residual_tokens // size) + 2
     hot_needed = config.effective_batch_size * per_seq + -(-config.max_tokens_per_step // size)
     if config.pruning:  # prompts stay full precision until they are scored: room for a few long ones
         hot_needed += -(-4096 // size)
-    hot = min(max(1, budget // hot_bytes), hot_needed)
-    cold = max(0, budget - hot * hot_bytes) // ColdStore.bytes_per_block(shape, fmt, size)
+    hot = min(max(1, cap // hot_bytes), hot_needed)
+    cold = max(0, cap - hot * hot_bytes) // ColdStore.bytes_per_block(shape, fmt, size)
+    if usable is not None:
+        cold = min(cold, usable)
     if not cold:
         return KVCache(shape, hot, size, device)
     native = config.kv_kernel == "auto" and device.type == "cpu" and shape.dtype in kv_native.DTYPES

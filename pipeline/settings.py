@@ -176,6 +176,14 @@ class Settings(BaseSettings, EngineOptions):
             return tuple(name.strip().lower() for name in value.split(",") if name.strip())
         return value
 
+    @field_validator("max_new_tokens")
+    @classmethod
+    def _answer_within_the_longest_request(cls, value: int, info: ValidationInfo) -> int:
+        limit = info.data.get("max_model_len")  # absent when MAX_MODEL_LEN itself was invalid
+        if limit is not None and value >= limit:
+            raise ValueError(f"must be below MAX_MODEL_LEN ({limit}), which counts the prompt too")
+        return value
+
     @field_validator("status_host")
     @classmethod
     def _token_beyond_loopback(cls, value: str, info: ValidationInfo) -> str:

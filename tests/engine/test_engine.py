@@ -130,6 +130,23 @@ async def test_kv_accounting_is_exact(tiny: LoadedModel) -> None:
     assert stats.kv_total_bytes == engine.cache.total_bytes
 
 
+@pytest.mark.parametrize("compression", [False, True])
+async def test_the_default_pool_holds_the_batch_at_the_longest_request_and_no_more(
+    tiny: LoadedModel, compression: bool
+) -> None:
+    # No KV_CACHE_BYTES: 3 sequences of 100 tokens (7 blocks of 16 each) can use 21 blocks; free
+    # memory (gigabytes) no longer decides. Compressed, the quantised part holds those 21.
+    options = {"kv_cache_bytes": None, "max_model_len": 100, "kv_compression": compression}
+    batched = make_engine(tiny, dynamic_batching=True, max_batch_size=3, **options)
+    alone = make_engine(tiny, dynamic_batching=False, max_batch_size=3, **options)
+    held = [e.blocks.num_cold_blocks if compression else e.blocks.num_blocks for e in (batched, alone)]
+    assert held == [21, 7]
+    async with batched as engine:
+        engine.submit([1] * 84, SamplingParams(max_new_tokens=16))  # exactly 100: accepted
+        with pytest.raises(EngineError, match="MAX_MODEL_LEN"):
+            engine.submit([1] * 85, SamplingParams(max_new_tokens=16))
+
+
 async def test_batch_stops_each_sequence_where_generate_alone_stops(tiny: LoadedModel) -> None:
     engine = make_engine(
         tiny, dynamic_batching=True, max_batch_size=8, dynamic_batch_window_ms=50, max_tokens_per_step=16

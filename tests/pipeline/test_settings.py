@@ -39,6 +39,13 @@ def test_invalid_values_name_the_variable(monkeypatch: pytest.MonkeyPatch, name:
         load_settings()
 
 
+def test_an_answer_longer_than_the_longest_request_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MAX_MODEL_LEN", "2048")
+    monkeypatch.setenv("MAX_NEW_TOKENS", "2048")
+    with pytest.raises(SettingsError, match="MAX_NEW_TOKENS"):
+        load_settings()
+
+
 def test_secrets_are_not_printed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KAFKA_SASL_PASSWORD", "hunter2")
     settings = load_settings()
