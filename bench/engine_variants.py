@@ -10,6 +10,7 @@ import json
 import random
 import threading
 import time
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,19 +60,27 @@ def _pct(values: list[float], q: float) -> float:
 
 
 class PeakRSS:
-    """Samples this process's resident memory while a variant runs (ru_maxrss is process-wide)."""
+    """Samples resident memory while a variant runs (ru_maxrss is process-wide): this process's,
+    or with `pid`, that process's and its children's together (a server and its workers)."""
 
-    def __init__(self) -> None:
+    def __init__(self, pid: int | None = None) -> None:
         import psutil
 
-        self._process = psutil.Process()
+        self._root = psutil.Process(pid)
+        self._tree = pid is not None
         self.peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
     def _sample(self) -> None:
+        import psutil
+
         while not self._stop.is_set():
-            self.peak = max(self.peak, self._process.memory_info().rss)
+            total = 0
+            for process in [self._root, *(self._root.children(recursive=True) if self._tree else [])]:
+                with suppress(psutil.NoSuchProcess):  # a child may exit between listing and reading
+                    total += process.memory_info().rss
+            self.peak = max(self.peak, total)
             self._stop.wait(0.05)
 
     def __enter__(self) -> PeakRSS:

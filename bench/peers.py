@@ -25,21 +25,19 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 from rich.console import Console
 from rich.table import Table
 
 from bench import common
-from bench.engine_variants import arrivals, load_prompts
+from bench.engine_variants import PeakRSS, arrivals, load_prompts
 
 PEERS = Path(__file__).resolve().parents[1] / ".peers"
 SYSTEMS = ("ours", "vllm", "llama")
@@ -74,33 +72,6 @@ class Result:
 def _pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
-
-
-class TreeRSS:
-    """Samples the resident memory of a process and its children (a server's workers included)."""
-
-    def __init__(self, pid: int) -> None:
-        self._root = psutil.Process(pid)
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    def _sample(self) -> None:
-        while not self._stop.is_set():
-            total = 0
-            for process in [self._root, *self._root.children(recursive=True)]:
-                with suppress(psutil.NoSuchProcess):
-                    total += process.memory_info().rss
-            self.peak = max(self.peak, total)
-            self._stop.wait(0.1)
-
-    def __enter__(self) -> TreeRSS:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 # --- the peers as servers ------------------------------------------------------------------------
@@ -257,12 +228,10 @@ def peer_round(server: Server, prompts: list[list[int]], args: Any, round_: int,
         log = logs / f"{server.name}-round{round_}-{scenario}.log"
         with running(server, log, args.start_timeout) as process:
             asyncio.run(drive(server, [WARM_UP], 8, [0.0]))  # one-off compilation and allocation
-            with TreeRSS(process.pid) as rss:
+            with PeakRSS(process.pid) as rss:
                 wall, answers = asyncio.run(drive(server, prompts, args.new_tokens, at[scenario]))
         tokens, latencies, ttfts = (list(column) for column in zip(*answers, strict=True))
-        results.append(
-            Result(server.name, scenario, round_, wall, tokens, latencies, ttfts, rss.peak / 2**20)
-        )
+        results.append(Result(server.name, scenario, round_, wall, tokens, latencies, ttfts, rss.mib))
     return results
 
 
