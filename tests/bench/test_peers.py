@@ -1,0 +1,64 @@
+"""The peers benchmark's client and report (no server or model needed): tokens and first-token
+times as each server's streaming format reports them; ratios taken within rounds."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+import httpx
+from rich.console import Console
+
+from bench.peers import Result, Server, _one, report
+
+
+def _sse(chunks: list[dict[str, object]], done: bool) -> bytes:
+    lines = [f"data: {json.dumps(c)}\n\n" for c in chunks] + (["data: [DONE]\n\n"] if done else [])
+    return "".join(lines).encode()
+
+
+def _ask(server: Server, body: bytes) -> tuple[int, float, float]:
+    seen: list[dict[str, object]] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+        return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+
+    async def go() -> tuple[int, float, float]:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            return await _one(client, server, [1, 2, 3], 3, 0.0, 0.0)
+
+    tokens, latency, ttft = asyncio.run(go())
+    assert seen[0]["prompt"] == [1, 2, 3] and seen[0]["ignore_eos"] is True  # token ids, EOS ignored
+    return tokens, latency, ttft
+
+
+def test_vllm_tokens_come_from_the_usage_chunk() -> None:
+    server = Server("vllm", [], {}, "http://peer", "/v1/completions", "")
+    chunks = [{"choices": [{"text": t}]} for t in ("a", "b", "c")] + [
+        {"choices": [], "usage": {"completion_tokens": 3}}
+    ]
+    tokens, latency, ttft = _ask(server, _sse(chunks, done=True))
+    assert tokens == 3 and 0 <= ttft <= latency
+
+
+def test_llama_tokens_come_from_the_final_timings() -> None:
+    server = Server("llama", [], {}, "http://peer", "/completion", "")
+    chunks: list[dict[str, object]] = [{"content": t, "stop": False} for t in ("a", "b")]
+    chunks.append({"content": "c", "stop": True, "timings": {"predicted_n": 3}})
+    tokens, latency, ttft = _ask(server, _sse(chunks, done=False))
+    assert tokens == 3 and 0 <= ttft <= latency
+
+
+def test_ratios_are_taken_within_each_round_then_the_median() -> None:
+    def result(system: str, round_: int, tok_s: float) -> Result:
+        return Result(system, "burst", round_, 10.0, [int(tok_s * 10)], [5.0], [1.0], 100.0)
+
+    # our speed and the peer's drift together from round to round; the ratio stays 0.5
+    results = [result("ours", i, 10.0 * (i + 1)) for i in range(3)]
+    results += [result("vllm", i, 20.0 * (i + 1)) for i in range(3)]
+    args = argparse.Namespace(scenarios="burst", docs=1, new_tokens=1, rounds=3)
+    summary = report(results, ["ours", "vllm"], args, Console(file=None, quiet=True))
+    assert summary["ratios"]["burst: ours / vllm tok/s"] == {"rounds": [0.5, 0.5, 0.5], "median": 0.5}
+    assert summary["medians"]["vllm/burst"]["tok_s"] == 40.0
