@@ -49,6 +49,7 @@ from rich.table import Table
 from bench import common
 from bench.engine_variants import (
     ENGINE_VARIANTS,
+    WARM_UP_IDS,
     PeakRSS,
     Run,
     arrivals,
@@ -205,10 +206,8 @@ def main() -> None:
     if cuda:  # one-off CUDA start-up costs (cuBLAS, kernels) go unmeasured
         hf_generate(loaded, prompts[:1], 4, [0.0], 1)
         engine_run(loaded, prompts[:2], 4, [0.0, 0.0], True, args.max_batch, args.step_tokens, True, pool)
-    elif args.warm_up:  # ids no prompt starts with: nothing of the workload is cached by it
-        engine_run(
-            loaded, [list(range(1000, 1032))], 8, [0.0], True, args.max_batch, args.step_tokens, True, pool
-        )
+    elif args.warm_up:
+        engine_run(loaded, [WARM_UP_IDS], 8, [0.0], True, args.max_batch, args.step_tokens, True, pool)
     runs = []
     for round_, name, scenario in rounds:
         console.print(f"running {name} / {scenario}{f' (round {round_ + 1})' if round_ else ''} ...")

@@ -26,8 +26,11 @@ from rich.table import Table
 
 from bench import common
 
-# operator name -> group (the first pattern contained in the name wins)
+# operator name -> group (the first pattern contained in the name wins: specific ones first)
 GROUPS = (
+    ("index_put", "cache writes"),
+    ("index_copy", "cache writes"),
+    ("aten::topk", "sampling"),
     ("aten::addmm", "linear (weights)"),
     ("aten::mm", "linear (weights)"),
     ("aten::linear", "linear (weights)"),
@@ -44,10 +47,8 @@ GROUPS = (
     ("aten::to", "gathers and copies"),
     ("aten::contiguous", "gathers and copies"),
     ("aten::clone", "gathers and copies"),
-    ("index_put", "cache writes"),
     ("aten::scatter", "cache writes"),
     ("aten::argmax", "sampling"),
-    ("aten::topk", "sampling"),
     ("aten::sort", "sampling"),
     ("aten::mul", "element-wise"),
     ("aten::add", "element-wise"),

@@ -37,11 +37,10 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import common
-from bench.engine_variants import PeakRSS, arrivals, load_prompts
+from bench.engine_variants import WARM_UP_IDS, PeakRSS, arrivals, load_prompts
 
 PEERS = Path(__file__).resolve().parents[1] / ".peers"
 SYSTEMS = ("ours", "vllm", "llama")
-WARM_UP = list(range(1000, 1032))  # ids no workload prompt starts with: the warm-up caches nothing of it
 
 
 @dataclass
@@ -227,7 +226,7 @@ def peer_round(server: Server, prompts: list[list[int]], args: Any, round_: int,
     for scenario in args.scenarios.split(","):
         log = logs / f"{server.name}-round{round_}-{scenario}.log"
         with running(server, log, args.start_timeout) as process:
-            asyncio.run(drive(server, [WARM_UP], 8, [0.0]))  # one-off compilation and allocation
+            asyncio.run(drive(server, [WARM_UP_IDS], 8, [0.0]))  # one-off compilation and allocation
             with PeakRSS(process.pid) as rss:
                 wall, answers = asyncio.run(drive(server, prompts, args.new_tokens, at[scenario]))
         tokens, latencies, ttfts = (list(column) for column in zip(*answers, strict=True))
