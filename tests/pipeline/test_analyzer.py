@@ -8,11 +8,12 @@ import math
 import pytest
 from opentelemetry import trace
 
-from pipeline.analyzer import Analyzer, LabelPolicy, Scored, choose, decide
+from engine import EngineError
+from pipeline.analyzer import AnalysisFailed, Analyzer, LabelPolicy, Scored, choose, decide
 from pipeline.codec import Document
 from prompts import questions
 from prompts.render import CONTENT_FREE
-from schemas import DocumentKind, Language, Polarity, SourceCoordinates, Urgency
+from schemas import DeadLetterReason, DocumentKind, Language, Polarity, SourceCoordinates, Urgency
 from tests.pipeline.fakes import ScriptedEngine
 
 
@@ -85,6 +86,25 @@ async def test_a_document_without_attitude_is_neutral_and_non_complaints_have_no
     prior_yes, prior_no = 1 / (1 + math.exp(-2)), 1 / (1 + math.exp(2))
     yes, no = -3 - math.log(prior_yes), 0 - math.log(prior_no)
     assert outcome.analysis.sentiment.confidence == pytest.approx(1 / (1 + math.exp(yes - no)), abs=1e-3)
+
+
+async def test_a_request_the_engine_refuses_as_too_long_fails_as_generation_failed() -> None:
+    # The engine refuses a request beyond MAX_MODEL_LEN; the service dead-letters what the
+    # analyser raises (reason and message), as for any failed analysis.
+    class Limited(ScriptedEngine):
+        async def score(self, prompt_ids: object, continuations: object) -> list[float]:
+            if len(prompt_ids) > 20_000:  # type: ignore[arg-type]
+                raise EngineError(
+                    "prompt of 20001 tokens exceeds the longest request accepted (MAX_MODEL_LEN)"
+                )
+            return await super().score(prompt_ids, continuations)  # type: ignore[arg-type]
+
+    analyzer = Analyzer(Limited(), trace.NoOpTracer(), max_new_tokens=256, attempts=2)
+    with pytest.raises(AnalysisFailed, match="MAX_MODEL_LEN") as failed:
+        await analyzer.analyze(doc("长" * 8000, Language.ZH), 0.0)
+    assert failed.value.reason is DeadLetterReason.GENERATION_FAILED
+    short = await analyzer.analyze(doc("热水器漏电。", Language.ZH), 0.0)  # the same analyser still answers
+    assert short.analysis.sentiment.polarity is Polarity.NEGATIVE
 
 
 def test_side_questions_are_combined_by_their_calibrated_log_odds() -> None:
