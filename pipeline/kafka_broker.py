@@ -152,7 +152,13 @@ def run_tool(main: str, *args: str, timeout_s: float = 60.0) -> str:
 
 
 def new_cluster_id() -> str:
-    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+    """A random cluster id in Kafka's form (url-safe base64 of 16 bytes), never one that begins with
+    "-": `kafka-storage format -t -x…` reads such an id as an option and refuses to format (one id in
+    64; it failed a CI run). Kafka's own `Uuid.randomUuid` draws again for the same reason."""
+    while True:
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cluster_id.startswith("-"):
+            return cluster_id
 
 
 @dataclass
@@ -204,7 +210,9 @@ class KafkaNode:
         config = self.folder / "server.properties"
         config.write_text("".join(f"{k}={v}\n" for k, v in self.properties(voters, replicas).items()))
         if not (self.folder / "data" / "meta.properties").is_file():
-            format_ = java_command("kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(config))
+            format_ = java_command(
+                "kafka.tools.StorageTool", "format", f"--cluster-id={cluster_id}", "-c", str(config)
+            )
             done = subprocess.run(format_, capture_output=True, text=True, check=False)  # noqa: S603
             if done.returncode != 0:
                 raise KafkaStartError(f"formatting node {self.node_id} failed: {done.stderr.strip()[-2000:]}")

@@ -22,7 +22,7 @@ from aiokafka.structs import OffsetAndMetadata
 from pipeline.broker import BrokerError, chosen_kind, embedded_broker
 from pipeline.client import publish_documents
 from pipeline.kafka import client_options, ensure_topics
-from pipeline.kafka_broker import KAFKA_VERSION, unavailable_reason
+from pipeline.kafka_broker import KAFKA_VERSION, KafkaCluster, new_cluster_id, unavailable_reason
 from pipeline.settings import Settings, load_settings
 from schemas import DocumentEvent, DocumentKind
 
@@ -122,6 +122,28 @@ def test_the_broker_does_not_outlive_the_process_that_started_it() -> None:
     while _alive(jvm):
         assert time.monotonic() < deadline, f"the broker's JVM {jvm} outlived its parent"
         time.sleep(0.2)
+
+
+def test_a_new_cluster_id_never_begins_with_a_dash() -> None:
+    """One url-safe id in 64 begins with "-", which `kafka-storage format` reads as an option (a CI
+    run failed on it); 4,096 draws would meet one with certainty short of 1 - e^-64."""
+    ids = [new_cluster_id() for _ in range(4096)]
+    assert not [i for i in ids if i.startswith("-")]
+    assert {len(i) for i in ids} == {22}
+
+
+@pytest.mark.integration
+@needs_kafka
+def test_a_cluster_whose_id_begins_with_a_dash_formats_and_starts(tmp_path: Path) -> None:
+    """Ids are kept on disk across restarts, and one written by another tool may begin with "-";
+    the format command passes it as `--cluster-id=<id>`, which cannot be read as an option."""
+    cluster = KafkaCluster(tmp_path, cluster_id="-wp1_dZBTyGSTavBF7bC2Q")
+    try:
+        cluster.start()
+        meta = (tmp_path / "node-1" / "data" / "meta.properties").read_text()
+        assert "cluster.id=-wp1_dZBTyGSTavBF7bC2Q" in meta
+    finally:
+        cluster.stop()
 
 
 def _alive(pid: int) -> bool:
