@@ -65,7 +65,17 @@ class Outcome:
     duplicates: int  # answers beyond the first per event id, as a read_committed reader sees them
     fault: str
     seconds: float
-    missing: list[str]  # the documents lost, by id (for the workers' logs)
+    missing: list[str]  # the documents lost, by id, each with where it went missing (`diagnose`)
+
+
+@dataclass(frozen=True)
+class Sent:
+    """A published document: its index (document id `d<index>`) and where the broker put it."""
+
+    index: int
+    topic: str
+    partition: int
+    offset: int
 
 
 class Workers:
@@ -124,9 +134,9 @@ def checkpoints(n: int) -> range:
 
 async def publish(
     settings: Settings, n: int, rate: float, at_fraction: Callable[[float], Awaitable[None]]
-) -> dict[str, int]:
+) -> dict[str, Sent]:
     """Publishes `n` documents at `rate`/s (acks=all, idempotent), calling `at_fraction(f)` as the
-    share f of them is sent; returns event id -> index."""
+    share f of them is sent; returns event id -> what was sent where."""
     producer = AIOKafkaProducer(**client_options(settings), acks="all", enable_idempotence=True, linger_ms=5)
     await producer.start()
     rng, topics, sent = random.Random(n), list(settings.input_topics), {}
@@ -146,7 +156,9 @@ async def publish(
     finally:
         await producer.stop()
     for i, (meta, (value, now_ms)) in enumerate(zip(acks, values, strict=True)):
-        sent[answer_id(meta, value, now_ms)] = i
+        sent[answer_id(meta, value, now_ms, append_time=False)] = Sent(
+            i, meta.topic, meta.partition, meta.offset
+        )
     return sent
 
 
@@ -262,12 +274,67 @@ async def run_scenario(
     finally:
         workers.stop_all()
     answered = set(sent) & counts.keys()
+    lost = sorted((sent[e] for e in set(sent) - counts.keys()), key=lambda s: s.index)[:20]
+    missing = await diagnose(settings, lost) if lost else []
     return Outcome(
         scenario, guarantee, "real model" if args.real_model else "instant", len(sent), len(answered),
         sum(1 for e in answered if kinds.get(e) == "analysis"), sum(1 for e in answered if kinds.get(e) == "dead_letter"),
         len(set(sent) - counts.keys()), sum(counts[e] - 1 for e in answered), "; ".join(faults),
-        round(time.perf_counter() - started, 1), sorted(f"d{sent[e]}" for e in set(sent) - counts.keys())[:20],
+        round(time.perf_counter() - started, 1), missing,
     )  # fmt: skip
+
+
+async def diagnose(settings: Settings, lost: list[Sent]) -> list[str]:
+    """Where each lost document went missing: what its input record holds, the group's committed
+    offset of its partition (past the record: the worker let it go without an answer a reader can
+    see), and every answer to it found reading uncommitted (written, then aborted or never
+    committed) or committed under another event id (answered from other coordinates)."""
+    by_doc = {f"d{s.index}": s for s in lost}
+    answers: dict[str, list[str]] = {doc: [] for doc in by_doc}
+    found = await partitions_of(settings, [settings.topic_analysis, settings.topic_dead_letters])
+    reader = AIOKafkaConsumer(**client_options(settings), isolation_level="read_uncommitted")
+    await reader.start()
+    try:
+        outputs = [TopicPartition(t, p) for t, ps in found.items() for p in ps]
+        reader.assign(outputs)
+        await reader.seek_to_beginning(*outputs)
+        ends = await reader.end_offsets(outputs)
+        while [tp for tp, end in ends.items() if await reader.position(tp) < end]:
+            for tp, records in (await reader.getmany(timeout_ms=1000)).items():
+                for record in records:
+                    answer = json.loads(record.value)
+                    if (doc := answer.get("document_id")) in answers:
+                        src = answer.get("source", {})
+                        answers[doc].append(
+                            f"{tp.topic}[{tp.partition}]@{record.offset} answers "
+                            f"{src.get('topic')}[{src.get('partition')}]@{src.get('offset')}"
+                        )
+        inputs = {TopicPartition(s.topic, s.partition) for s in lost}
+        reader.assign(list(inputs))
+        held: dict[Sent, str] = {}
+        for s in lost:
+            tp = TopicPartition(s.topic, s.partition)
+            reader.seek(tp, s.offset)
+            batch = await reader.getmany(tp, timeout_ms=5000, max_records=1)
+            records = batch.get(tp, [])
+            held[s] = json.loads(records[0].value).get("document_id") if records else "nothing"
+    finally:
+        await reader.stop()
+    admin = AIOKafkaAdminClient(**client_options(settings))
+    await admin.start()
+    try:
+        committed = await admin.list_consumer_group_offsets(settings.consumer_group)
+    finally:
+        await admin.close()
+    lines = []
+    for doc, s in by_doc.items():
+        tp = TopicPartition(s.topic, s.partition)
+        group = committed.get(tp)
+        lines.append(
+            f"{doc} sent to {s.topic}[{s.partition}]@{s.offset} (which holds {held[s]}); group committed "
+            f"{group.offset if group else 'nothing'}; answers read uncommitted: {answers[doc] or 'none'}"
+        )
+    return lines
 
 
 async def _nothing(_: float) -> None:

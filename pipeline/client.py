@@ -40,14 +40,21 @@ class Sent:
         return cls(document_id, meta.topic, meta.partition, meta.offset, answer_id(meta, value, timestamp_ms))
 
 
-def answer_id(meta: RecordMetadata, value: bytes | None, timestamp_ms: int) -> str:
+def answer_id(
+    meta: RecordMetadata, value: bytes | None, timestamp_ms: int, append_time: bool | None = None
+) -> str:
     """The event id of the answer to a record sent with `timestamp_ms` and acknowledged with `meta`.
 
     The record's timestamp is the one the producer set, unless the topic stamps records with the
-    broker's time (LogAppendTime, returned in the acknowledgement). The acknowledgement's timestamp
-    is not used otherwise: for a batch of records aiokafka reports the first record's time for
-    all of them on some brokers."""
-    timestamp = meta.timestamp if meta.timestamp_type == LOG_APPEND_TIME else timestamp_ms
+    broker's time (LogAppendTime): `append_time` says whether it does; None trusts the
+    acknowledgement's timestamp type, which is right for the service's own (non-idempotent)
+    producers and wrong for an idempotent one: a batch it sends again after a leader change, which
+    the broker finds already written, is acknowledged with the batch's largest CreateTime reported
+    as a log-append time (Kafka's duplicate-batch reply), not the time of the batch's other records.
+    The acknowledgement's timestamp is not used otherwise: for a batch of records aiokafka reports
+    the first record's time for all of them on some brokers."""
+    broker_time = meta.timestamp_type == LOG_APPEND_TIME if append_time is None else append_time
+    timestamp = meta.timestamp if broker_time else timestamp_ms
     return event_id_for(meta.topic, meta.partition, meta.offset, timestamp, value)
 
 
