@@ -11,6 +11,8 @@ threads, greedy):
      instruction prefix of the analysis prompts is worth
   7. engine_dynamic_int8, engine_dynamic_int4  (5) with KV_COMPRESSION on at 8 or 4 bits (only
      when named in --variants): the throughput cost of quantised KV blocks at equal batch size
+  8. engine_dynamic_unpacked  (5) with PREPACK_WEIGHTS=false (only when named in --variants): what
+     reordering the bf16 weights once for oneDNN is worth (no difference in fp32)
 Scenarios: `burst` (every request arrives at t=0) and `stream` (open-loop Poisson arrivals; the
 one-at-a-time generate serves them in arrival order; static batches and `generate_batch` cannot
 take a stream and run the burst only).
@@ -49,6 +51,7 @@ from rich.table import Table
 from bench import common
 from bench.engine_variants import (
     ENGINE_VARIANTS,
+    UNPACKED_VARIANTS,
     WARM_UP_IDS,
     PeakRSS,
     Run,
@@ -61,7 +64,8 @@ from bench.engine_variants import (
 )
 from bench.random_model import SHAPES, build_random
 from engine import EngineConfig
-from engine.loader import load_model, select_device
+from engine.linear import PackedLinear
+from engine.loader import LoadedModel, load_model, select_device
 
 
 def _median(values: list[float]) -> float:
@@ -72,7 +76,8 @@ def _median(values: list[float]) -> float:
 
 VARIANTS = ("hf_generate_1", "hf_generate_static4", "hf_generate_batch", *ENGINE_VARIANTS)
 BURST_ONLY = ("hf_generate_static4", "hf_generate_batch")  # they cannot take a stream
-HEADLINE = (("hf_generate_1", "burst"), ("engine_dynamic", "burst"))  # repeated: the ratio rests on them
+# Repeated: the ratios rest on them (the unpacked variant's against engine_dynamic).
+HEADLINE = (("hf_generate_1", "burst"), ("engine_dynamic", "burst"), ("engine_dynamic_unpacked", "burst"))
 
 
 def planned(variants: list[str], scenarios: list[str]) -> list[tuple[str, str]]:
@@ -183,8 +188,11 @@ def main() -> None:
         loaded = build_random(
             args.random_shape, args.tokenizer, select_device("auto"), getattr(torch, args.dtype), args.layers
         )
-    else:
-        loaded = load_model(args.model, dtype=args.dtype)
+    else:  # a run of unpacked variants alone (a child) loads the model unpacked
+        loaded = load_model(
+            args.model, dtype=args.dtype, prepack_weights=not set(variants) <= UNPACKED_VARIANTS
+        )
+    unpacked: list[LoadedModel] = []  # without isolation, a second copy for the unpacked variants
     pool = args.kv_cache_mib * 2**20
     prompts = load_prompts(loaded.tokenizer, args.docs)
     n = args.new_tokens
@@ -198,8 +206,13 @@ def main() -> None:
         if variant == "hf_generate_batch":
             return hf_generate_batch(loaded, prompts, n)
         dynamic, prefix, bits = ENGINE_VARIANTS[variant]
+        model = loaded
+        if variant in UNPACKED_VARIANTS and any(isinstance(m, PackedLinear) for m in loaded.model.modules()):
+            if not unpacked:
+                unpacked.append(load_model(args.model, dtype=args.dtype, prepack_weights=False))
+            model = unpacked[0]
         return engine_run(
-            loaded, prompts, n, at[scenario], dynamic, args.max_batch, args.step_tokens, prefix, pool, bits
+            model, prompts, n, at[scenario], dynamic, args.max_batch, args.step_tokens, prefix, pool, bits
         )
 
     cuda = loaded.device.type == "cuda"

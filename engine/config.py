@@ -53,6 +53,10 @@ class EngineOptions(BaseModel):
     )
     kv_cache_memory_fraction: float = Field(default=0.2, gt=0, le=0.95)
     prefix_caching: bool = Field(default=True, description="Reuse the KV blocks of shared prompt prefixes.")
+    prepack_weights: bool = Field(
+        default=True,
+        description="bf16 linear weights reordered once for oneDNN (CPUs with native bf16 only).",
+    )
 
     @field_validator("kv_quant_bits")
     @classmethod

@@ -130,7 +130,7 @@ class Engine:
     def from_config(cls, config: EngineConfig) -> Engine:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        return cls(config, load_model(config.model_path, config.device, config.dtype))
+        return cls(config, load_model(config.model_path, config.device, config.dtype, config.prepack_weights))
 
     @property
     def model_id(self) -> str:

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import torch
 
 from engine.config import Device, DType
+from engine.linear import pack_linears
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,11 @@ def select_dtype(dtype: DType, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def load_model(path: Path, device: Device = "auto", dtype: DType = "auto") -> LoadedModel:
+def load_model(
+    path: Path, device: Device = "auto", dtype: DType = "auto", prepack_weights: bool = True
+) -> LoadedModel:
+    """`prepack_weights`: the decoder layers' bf16 linear weights reordered once for oneDNN where
+    the CPU computes bf16 natively (`engine.linear`); no effect elsewhere."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     check_model_folder(path)
@@ -106,6 +111,8 @@ def load_model(path: Path, device: Device = "auto", dtype: DType = "auto") -> Lo
         raise ModelLoadError(f"could not load the model in {path}: {exc}") from exc
     model.to(target)
     model.eval()
+    if prepack_weights:
+        pack_linears(model, target, torch_dtype, weights_folder=path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model_id = str(getattr(model.config, "_name_or_path", "") or path.name)
