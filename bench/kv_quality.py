@@ -55,6 +55,9 @@ PROFILES: dict[str, dict[str, Any]] = {
     "off-chunk-128": {"max_tokens_per_step": 128},
     "int8": {"kv_compression": True, "kv_quant_bits": 8},
     "int4": {"kv_compression": True, "kv_quant_bits": 4},
+    # Keys and values rotated by a Hadamard matrix before quantising (the same bytes).
+    "int4-rot": {"kv_compression": True, "kv_quant_bits": 4, "kv_rotate": True},
+    "int8-rot": {"kv_compression": True, "kv_quant_bits": 8, "kv_rotate": True},
     "prune-0.5": {"kv_compression": True, "kv_quant_bits": 16, "kv_keep_ratio": 0.5},
     "article-heuristic-0.5": {
         "kv_compression": True,

@@ -32,6 +32,9 @@ class EngineOptions(BaseModel):
     kv_residual_tokens: int = Field(
         default=32, ge=0, le=4096, description="Recent tokens kept full precision."
     )
+    kv_rotate: bool = Field(
+        default=False, description="Rotate keys and values by a Hadamard matrix before quantising them."
+    )
     kv_sink_tokens: int = Field(default=4, ge=0, le=1024, description="First tokens kept full precision.")
     kv_keep_ratio: float = Field(default=1.0, gt=0, le=1, description="Share of each prompt kept (pruning).")
     kv_prune_policy: PrunePolicy = "attention"  # SnapKV-style scores, or the article's heuristic

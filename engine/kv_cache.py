@@ -14,7 +14,15 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv_native import NativeKernel
-from engine.kv_quant import QuantFormat, StoredLayer, quantize_keys, quantize_values, read_rows, to_storage
+from engine.kv_quant import (
+    QuantFormat,
+    StoredLayer,
+    hadamard,
+    quantize_keys,
+    quantize_values,
+    read_rows,
+    to_storage,
+)
 
 
 @dataclass(frozen=True)
@@ -46,7 +54,11 @@ class ColdStore:
     KV head) its tokens contiguously, as the batched matmuls of decode attention want them.
     Stored so that reading does the least work: 8-bit codes already centred (int8), and every
     element is `centred code * scale + offset` with the offset (min + zero * scale) computed
-    once, here. Read with the native kernel where one is given (CPU), else with torch."""
+    once, here. Read with the native kernel where one is given (CPU), else with torch.
+
+    With `rotate`, keys and values are rotated by a Hadamard matrix over the head dimension before
+    they are quantised and rotated back after they are read (`hadamard`): the same bytes, a
+    different error."""
 
     def __init__(
         self,
@@ -56,8 +68,10 @@ class ColdStore:
         block_size: int,
         device: torch.device,
         kernel: NativeKernel | None = None,
+        rotate: bool = False,
     ) -> None:
         self.fmt = fmt
+        self.rotation = hadamard(shape.head_dim, device) if rotate else None
         self.num_blocks = num_blocks
         self.kernel = kernel
         layers, heads, dim = shape.num_layers, shape.num_kv_heads, shape.head_dim
@@ -96,6 +110,7 @@ class ColdStore:
 
     def store(self, keys: torch.Tensor, values: torch.Tensor, blocks: torch.Tensor) -> None:
         """Quantises full-precision blocks (L, n, block_size, KVH, D) into cold `blocks` (n,)."""
+        keys, values = self._rotated(keys), self._rotated(values)
         codes, scale, low = quantize_keys(keys, self.fmt)  # codes (L, n, bs, KVH, C)
         self.key_codes.index_copy_(1, blocks, to_storage(codes, self.fmt).transpose(2, 3).contiguous())
         self.key_scale.index_copy_(1, blocks, scale)
@@ -128,7 +143,13 @@ class ColdStore:
                 stored.value_offset.flatten(0, 1), head_blocks, bits, per_token=True,
             )  # fmt: skip
         dim = keys.shape[-1]
+        keys, values = self._rotated(keys), self._rotated(values)  # back: the rotation is its own inverse
         return ColdHistory(keys.view(pairs, -1, dim), values.view(pairs, -1, dim))
+
+    def _rotated(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rotation is None:
+            return x
+        return (x.float() @ self.rotation).to(x.dtype)
 
 
 @dataclass(frozen=True)

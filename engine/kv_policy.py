@@ -250,4 +250,5 @@ def build_cache(config: EngineConfig, shape: KVShape, device: torch.device, max_
         return KVCache(shape, hot, size, device)
     native = config.kv_kernel == "auto" and device.type == "cpu" and shape.dtype in kv_native.DTYPES
     kernel = kv_native.load() if native else None
-    return KVCache(shape, hot, size, device, ColdStore(shape, fmt, cold, size, device, kernel))
+    cold_store = ColdStore(shape, fmt, cold, size, device, kernel, rotate=config.kv_rotate)
+    return KVCache(shape, hot, size, device, cold_store)

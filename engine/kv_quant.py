@@ -118,6 +118,19 @@ class StoredLayer(NamedTuple):
     value_offset: torch.Tensor  # (blocks, KVH, block_size)
 
 
+def hadamard(dim: int, device: torch.device | None = None) -> torch.Tensor:
+    """The orthonormal Hadamard matrix of size `dim` (a power of two), fp32: symmetric and its own
+    inverse. Rotating keys and values by it before quantising spreads a few large channels over
+    all of them (QuaRot), so that one scale fits every channel of a token better."""
+    if dim < 1 or dim & (dim - 1):
+        raise ValueError(f"a Hadamard rotation needs a power-of-two head dimension, got {dim}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < dim:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    rotation: torch.Tensor = (h / dim**0.5).to(device)
+    return rotation
+
+
 def read_rows(layer: StoredLayer, rows: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows (n,) of (block, KV head), dequantised into the store's dtype: keys and values, each
     (n, bs, D). Plain torch on the store's device (the reference for `kv_native`, which does the

@@ -16,6 +16,7 @@ from engine.kv_policy import heuristic_scores, select_kept, smooth
 from engine.kv_quant import (
     QuantFormat,
     centred,
+    hadamard,
     quantize_keys,
     quantize_values,
     unpack,
@@ -48,6 +49,27 @@ def outlier_keys(*shape: int) -> torch.Tensor:
     keys = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
     keys[..., 3] = keys[..., 3] * 20 + 50
     return keys
+
+
+def test_the_rotation_is_orthonormal_symmetric_and_needs_a_power_of_two() -> None:
+    h = hadamard(64)
+    torch.testing.assert_close(h @ h, torch.eye(64), rtol=0, atol=1e-6)
+    assert torch.equal(h, h.T) and set((h.abs() * 8).round().unique().tolist()) == {1.0}
+    with pytest.raises(ValueError, match="power-of-two"):
+        hadamard(24)
+
+
+def test_the_rotation_spreads_an_outlier_channel_so_4_bit_values_lose_less() -> None:
+    """Values are quantised per token over their channels: one large channel sets the step for all
+    the others. After the rotation no channel stands out, and the round trip's error is smaller."""
+    fmt, h = QuantFormat(4), hadamard(64)
+    values = outlier_keys(4, 16, 2, 64)  # channel 3 about 50 + 20x the others
+
+    def error(x: torch.Tensor, rotation: torch.Tensor) -> float:
+        back = dequantize_values(*quantize_values(x @ rotation, fmt), fmt) @ rotation
+        return float((back - x).pow(2).mean())
+
+    assert error(values, h) < 0.5 * error(values, torch.eye(64))
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -138,23 +160,28 @@ def native_kernel() -> NativeKernel:
     return kernel
 
 
+@pytest.mark.parametrize("rotate", [False, True])
 @pytest.mark.parametrize("reader", ["torch", "native"])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_reading_stored_blocks_gives_what_dequantising_the_codes_gives(bits: int, reader: str) -> None:
+def test_reading_stored_blocks_gives_what_dequantising_the_codes_gives(
+    bits: int, reader: str, rotate: bool
+) -> None:
     """The store keeps 8-bit codes centred and offsets (min + zero * scale) in place of the
     minimums; reading any (block, KV head) rows, with torch or the C kernel, must still give the
-    keys and values the quantised codes stand for."""
+    keys and values the quantised codes stand for. Rotated: the codes are those of the keys and
+    values times the Hadamard matrix H, and what is read is their dequantisation times H again."""
     kernel = native_kernel() if reader == "native" else None
     shape, size, fmt = KVShape(2, 2, 32, torch.float32), 16, QuantFormat(bits)
-    store = ColdStore(shape, fmt, 6, size, torch.device("cpu"), kernel)
+    store = ColdStore(shape, fmt, 6, size, torch.device("cpu"), kernel, rotate=rotate)
+    h = hadamard(32) if rotate else torch.eye(32)
     assert store.key_codes.dtype == (torch.int8 if bits == 8 else torch.uint8)
     assert store.reader == ("torch" if kernel is None else f"native-{kernel.isa}")
     blocks = outlier_keys(2, 2, 6, size, 2, 32)  # keys/values, (L, n, bs, KVH, D)
     store.store(blocks[0], blocks[1], torch.arange(6))
     rows = torch.tensor([11, 0, 5, 5, 2])  # (block, KV head) rows, in any order, repeats allowed
     history = store.gathered(1, rows, pairs=5)  # one row per "pair": (5, bs, D)
-    expected_keys = dequantize_keys(*quantize_keys(blocks[0, 1], fmt), fmt)  # (n, bs, KVH, D)
-    expected_values = dequantize_values(*quantize_values(blocks[1, 1], fmt), fmt)
+    expected_keys = dequantize_keys(*quantize_keys(blocks[0, 1] @ h, fmt), fmt) @ h  # (n, bs, KVH, D)
+    expected_values = dequantize_values(*quantize_values(blocks[1, 1] @ h, fmt), fmt) @ h
     for i, row in enumerate(rows.tolist()):
         block, head = divmod(row, 2)
         torch.testing.assert_close(history.keys[i], expected_keys[block, :, head], rtol=0, atol=1e-4)
@@ -265,10 +292,15 @@ async def run(tiny: LoadedModel, **options: object) -> tuple[list[list[int]], li
     return [r.token_ids for r in results], ratios
 
 
-async def test_compressed_engine_holds_fewer_bytes_and_agrees_with_uncompressed(tiny: LoadedModel) -> None:
+@pytest.mark.parametrize("rotate", [False, True])
+async def test_compressed_engine_holds_fewer_bytes_and_agrees_with_uncompressed(
+    tiny: LoadedModel, rotate: bool
+) -> None:
+    """With or without the Hadamard rotation (same bytes: the rotation is not stored)."""
     plain, plain_ratios = await run(tiny)
     assert min(plain_ratios) >= 1.0  # whole blocks, allocated a step ahead: never less than a token's worth
-    int8, ratios = await run(tiny, kv_compression=True, kv_quant_bits=8, kv_residual_tokens=8)
+    options = {"kv_compression": True, "kv_quant_bits": 8, "kv_residual_tokens": 8, "kv_rotate": rotate}
+    int8, ratios = await run(tiny, **options)
     # tiny model in fp32 with 16-dim heads: a quantised int8 token takes 288 of 512 bytes
     assert min(ratios) < 0.75
     agree = sum(a == b for x, y in zip(plain, int8, strict=True) for a, b in zip(x, y, strict=True))
