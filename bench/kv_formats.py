@@ -1,0 +1,257 @@
+"""Which quantised KV format to build next: formats tried by fake quantisation, KL only, in minutes.
+
+`bench.kv_quality` measures a profile the engine runs, with analyses, on the whole corpus: hours on
+this CPU. This program answers a narrower question fast: how much does a candidate format disturb
+the model's next-token distributions? On evenly spaced documents of bench/data/kv-corpus.jsonl the
+model (transformers, bf16) reads the narrative prompt in 192-token chunks and then teacher-forces
+its own greedy continuation (--tf-tokens) in 16-token steps; after every step the blocks the
+engine would have moved to cold storage (whole 16-token blocks past the first, older than the
+residual window) are quantised and dequantised in place, once each, with the engine's own
+`quantize_keys` / `quantize_values` (keys per channel over a block, values per token). Every
+format's logits are compared with the same run unquantised: mean next-token KL over the whole
+vocabulary and top-1 agreement. `floor` reads the prompt in 128-token chunks instead, unquantised:
+what bf16 rounding alone gives, the bar's reference.
+
+A format sets bits for keys and values (8, 4, or none: full precision) per layer, optional
+Hadamard rotation of keys and/or values before quantising, and the residual window. Bytes per
+token are the cold blocks' exact bytes (codes, scales, offsets) over bf16's, without the sink
+block and the window (which `bench.kv_quality` counts: +0.03-0.04 at ~1,200-token prompts).
+No engine kernel is exercised: a format found here is built, then measured by `bench.kv_quality`.
+
+    python -m bench.kv_formats --docs 12 --out bench/results/kv-formats-cpu.json
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from bench import common
+from engine.kv_quant import QuantFormat, hadamard, quantize_keys, quantize_values, unpack
+
+CORPUS = Path(__file__).with_name("data") / "kv-corpus.jsonl"
+BLOCK = 16  # the engine's block size: keys share a scale per channel over one block
+PROMPT_CHUNK = 192  # the engine's tokens per step while it reads a prompt
+SINK_BLOCKS = 1
+
+
+@dataclass(frozen=True)
+class Format:
+    key_bits: int | None = 4  # None: full precision
+    value_bits: int | None = 4
+    rotate_keys: bool = False
+    rotate_values: bool = False
+    layer_bits: dict[int, tuple[int | None, int | None]] = field(default_factory=dict)  # layer -> (K, V)
+    residual: int = 32
+    quantise: bool = True  # False: unquantised (the reference, or the floor)
+    prompt_chunk: int = PROMPT_CHUNK
+
+    def bits(self, layer: int) -> tuple[int | None, int | None]:
+        return self.layer_bits.get(layer, (self.key_bits, self.value_bits))
+
+
+# The most sensitive layers of the 0.5B default (one layer quantised to int4 at a time, 6 documents:
+# 16, 11, 9, 13, 21 raise KL most; the rest sit at the floor).
+SENSITIVE = (9, 11, 13, 16, 21)
+
+FORMATS: dict[str, Format] = {
+    "floor": Format(quantise=False, prompt_chunk=128),
+    "int8": Format(key_bits=8, value_bits=8),
+    "int4": Format(),
+    "int4-rot": Format(rotate_keys=True, rotate_values=True),
+    "int4-rot-values": Format(rotate_values=True),
+    "k4-only": Format(value_bits=None),
+    "v4-only": Format(key_bits=None),
+    "k8v4": Format(key_bits=8),
+    "int4-window64": Format(residual=64),
+    "int4+int8@3layers": Format(layer_bits={layer: (8, 8) for layer in (9, 11, 16)}),
+    "int4+int8@5layers": Format(layer_bits={layer: (8, 8) for layer in SENSITIVE}),
+    "int4+k8@5layers": Format(layer_bits={layer: (8, 4) for layer in SENSITIVE}),
+    "int4+k8@5layers+v8@2": Format(
+        layer_bits={layer: (8, 8) if layer in (11, 16) else (8, 4) for layer in SENSITIVE}
+    ),
+}
+
+
+def bytes_ratio(fmt: Format, layers: int, head_dim: int, dtype_bytes: int = 2) -> float:
+    """Cold bytes per token over full precision's, all layers (per KV head: the same for each)."""
+    if not fmt.quantise:
+        return 1.0
+    full = 2 * head_dim * dtype_bytes  # one token's key and value
+    total = 0.0
+    for layer in range(layers):
+        key_bits, value_bits = fmt.bits(layer)
+        # keys: a scale and an offset per channel and block; values: a scale and an offset per token
+        total += _part(key_bits, head_dim, dtype_bytes, 2 * head_dim * dtype_bytes / BLOCK)
+        total += _part(value_bits, head_dim, dtype_bytes, 2 * dtype_bytes)
+    return total / (layers * full)
+
+
+def _part(bits: int | None, head_dim: int, dtype_bytes: int, scales: float) -> float:
+    return head_dim * dtype_bytes if bits is None else QuantFormat(bits).code_dim(head_dim) + scales
+
+
+def head_size(config: Any) -> int:
+    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+
+
+def fake_quantise(
+    keys: torch.Tensor, values: torch.Tensor, key_bits: int | None, value_bits: int | None,
+    rotation: tuple[torch.Tensor | None, torch.Tensor | None],
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One block's keys and values (block, KV heads, head_dim) as the engine's cold store gives
+    them back: (rotated,) quantised by `quantize_keys` / `quantize_values`, dequantised (and
+    rotated back), in the input's dtype."""
+
+    def round_trip(x: torch.Tensor, bits: int, r: torch.Tensor | None, per_channel: bool) -> torch.Tensor:
+        work = x if r is None else (x.float() @ r).to(x.dtype)
+        qf = QuantFormat(bits)
+        codes, scale, low = (quantize_keys if per_channel else quantize_values)(work, qf)
+        if per_channel:  # scale (KVH, D) per channel of the block
+            scale, low = scale[None], low[None]
+        else:  # (block, KVH) per token
+            scale, low = scale[..., None], low[..., None]
+        out = unpack(codes, qf).float() * scale.float() + low.float()
+        return (out if r is None else out @ r).to(x.dtype)
+
+    if key_bits is not None:
+        keys = round_trip(keys, key_bits, rotation[0], per_channel=True)
+    if value_bits is not None:
+        values = round_trip(values, value_bits, rotation[1], per_channel=False)
+    return keys, values
+
+
+def logprobs(model: Any, ids: torch.Tensor, prompt_len: int, fmt: Format) -> torch.Tensor:
+    """Log-probabilities (continuation, vocabulary) of the tokens after the prompt, the cache's
+    cold blocks fake-quantised as the engine would hold them after every step."""
+    from transformers import DynamicCache
+
+    h = hadamard(head_size(model.config))
+    rotation = (h if fmt.rotate_keys else None, h if fmt.rotate_values else None)
+    steps = [(a, min(a + fmt.prompt_chunk, prompt_len)) for a in range(0, prompt_len, fmt.prompt_chunk)]
+    steps += [(a, min(a + BLOCK, len(ids))) for a in range(prompt_len, len(ids), BLOCK)]
+    cache, cold, rows = DynamicCache(), SINK_BLOCKS, []
+    with torch.inference_mode():
+        for start, end in steps:
+            logits = model(input_ids=ids[None, start:end], cache=cache, use_cache=True).logits[0]
+            if end >= prompt_len:
+                first = max(start, prompt_len - 1)  # the last prompt token predicts the first output
+                rows.append(logits[first - start : end - start].float())
+            if not fmt.quantise:
+                continue
+            limit = (end - fmt.residual) // BLOCK
+            for block in range(cold, limit):
+                span = slice(block * BLOCK, (block + 1) * BLOCK)
+                for layer, held in enumerate(
+                    cast(list[Any], cache.layers)
+                ):  # full-attention layers: .keys, .values
+                    key_bits, value_bits = fmt.bits(layer)
+                    k, v = held.keys[0, :, span].transpose(0, 1), held.values[0, :, span].transpose(0, 1)
+                    k, v = fake_quantise(k, v, key_bits, value_bits, rotation)
+                    held.keys[0, :, span], held.values[0, :, span] = k.transpose(0, 1), v.transpose(0, 1)
+            cold = max(cold, limit)
+    return torch.log_softmax(torch.cat(rows)[: len(ids) - prompt_len], dim=-1)
+
+
+@dataclass
+class Result:
+    format: str
+    bytes_ratio: float
+    kl_mean: float
+    kl_per_doc: list[float]
+    top1: float
+    seconds: float
+    spec: dict[str, Any]
+
+
+def continuations(
+    model: Any, tokenizer: Any, docs: list[dict[str, Any]], tokens: int
+) -> list[tuple[torch.Tensor, int]]:
+    """Each document's narrative prompt followed by the model's greedy continuation."""
+    from prompts import render
+    from schemas import DocumentKind, Language, Polarity
+
+    out = []
+    for doc in docs:
+        polarity = Polarity(doc.get("label_polarity", "neutral"))
+        messages = render(
+            DocumentKind(doc["kind"]), Language(doc["language"]), doc["text"], polarity
+        ).messages
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
+        with torch.inference_mode():
+            ids = model.generate(prompt[None], max_new_tokens=tokens, do_sample=False)[0]
+        out.append((ids, len(prompt)))
+    return out
+
+
+def main() -> None:
+    parser = common.parser(__doc__)
+    parser.add_argument("--formats", default=",".join(FORMATS), help="comma-separated names of FORMATS")
+    parser.add_argument("--docs", type=int, default=12, help="evenly spaced documents of the corpus")
+    parser.add_argument("--tf-tokens", type=int, default=128)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/kv-formats.json"))
+    args = parser.parse_args()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from bench.kv_quality import load_corpus
+
+    console = Console(width=140)
+    args.model = common.model_path(args.model)
+    names = [n for n in args.formats.split(",") if n]
+    unknown = [n for n in names if n not in FORMATS]
+    if unknown:
+        parser.error(f"unknown formats {unknown}; known: {', '.join(FORMATS)}")
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model: Any = AutoModelForCausalLM.from_pretrained(
+        args.model, dtype=torch.bfloat16, attn_implementation="sdpa"
+    )
+    model.eval()
+    docs = load_corpus(args.docs)
+    seqs = continuations(model, tokenizer, docs, args.tf_tokens)
+    reference = [logprobs(model, ids, n, Format(quantise=False)) for ids, n in seqs]
+    layers = model.config.num_hidden_layers
+    head_dim = head_size(model.config)
+    results = []
+    for name in names:
+        fmt, began = FORMATS[name], time.perf_counter()
+        kls, top1 = [], []
+        for (ids, n), ref in zip(seqs, reference, strict=True):
+            test = logprobs(model, ids, n, fmt)
+            kls.append(float((ref.exp() * (ref - test)).sum(-1).mean()))
+            top1.append(float((ref.argmax(-1) == test.argmax(-1)).float().mean()))
+        results.append(Result(name, bytes_ratio(fmt, layers, head_dim), statistics.mean(kls), kls,
+                              statistics.mean(top1), time.perf_counter() - began, asdict(fmt)))  # fmt: skip
+        console.print(f"{name}: KL {results[-1].kl_mean:.5f}, bytes {results[-1].bytes_ratio:.3f}")
+        write(args, docs, results)
+    table = Table("format", "cold bytes/token vs bf16", "KL mean", "top-1", "s",
+                  title=f"KV formats by fake quantisation, {len(docs)} documents x {args.tf_tokens} tokens")  # fmt: skip
+    for r in results:
+        table.add_row(
+            r.format, f"{r.bytes_ratio:.3f}", f"{r.kl_mean:.5f}", f"{r.top1:.4f}", f"{r.seconds:.0f}"
+        )
+    console.print(table)
+    console.print(f"wrote {args.out}")
+
+
+def write(args: Any, docs: list[dict[str, Any]], results: list[Result]) -> None:
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "machine": {"threads": torch.get_num_threads(), "platform": platform.platform(), "torch": torch.__version__},
+        "config": vars(args) | {"model": str(args.model), "out": str(args.out)},
+        "documents": [d["document_id"] for d in docs],
+        "results": [asdict(r) for r in results],
+    }, indent=1, ensure_ascii=False, default=str))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
