@@ -1,21 +1,24 @@
-"""`deepanalyze`: broker, run, publish, tail, prepare-model, demo."""
+"""`deepanalyze`: broker, run, publish, tail, prepare-model, demo.
+
+Imports that load torch or the Kafka client wait until a command needs them, so that `--help`
+and `--version` answer at once."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import dataclasses
+import importlib.metadata
 import logging
 import sys
 from pathlib import Path
 
-from aiokafka.errors import KafkaError
 from rich.console import Console
 
-from engine import EngineError, ModelLoadError
 from pipeline.logs import setup_logging
 from pipeline.settings import Settings, SettingsError, load_settings
-from schemas import AnalysisEvent, DocumentKind
+from schemas import DocumentKind
 
 log = logging.getLogger("deepanalyze")
 
@@ -47,38 +50,91 @@ async def _broker(port: int, data: Path | None) -> None:
         await stop.wait()
 
 
-async def _publish(settings: Settings, paths: list[Path], kind: DocumentKind | None) -> None:
-    from pipeline.client import load_documents, publish_documents
+@dataclasses.dataclass(frozen=True)
+class PublishOptions:
+    kind: DocumentKind | None
+    lines: bool
+    topic: str | None
+    key: bytes | None
+    headers: list[tuple[str, bytes]]
+
+
+def _header(text: str) -> tuple[str, bytes]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"a header is NAME=VALUE, got {text!r}")
+    return name, value.encode("utf-8")
+
+
+async def _publish(settings: Settings, paths: list[Path], options: PublishOptions) -> None:
+    from pipeline.client import documents_from_lines, load_documents, publish_documents
     from schemas import DocumentEvent
 
     if paths == [Path("-")]:
-        documents = [DocumentEvent(kind=kind, text=sys.stdin.read())]
+        text = sys.stdin.read()
+        if not text.strip():
+            raise ValueError("standard input was empty: nothing to publish")
+        documents = (
+            documents_from_lines(text, "stdin", options.kind)
+            if options.lines
+            else [DocumentEvent(kind=options.kind, text=text)]
+        )
     else:
-        documents = load_documents(paths, kind)
-    for sent in await publish_documents(settings, documents):
-        print(f"{sent.document_id}\t{sent.topic}[{sent.partition}]@{sent.offset}\tevent_id={sent.event_id}")
+        documents = load_documents(paths, options.kind, lines=options.lines)
+    if not documents:
+        raise ValueError("no documents found in " + ", ".join(map(str, paths)))
+    kindless = [d.document_id or "stdin" for d in documents if d.kind is None]
+    if kindless and options.topic is None:
+        shown = ", ".join(kindless[:3]) + (f" and {len(kindless) - 3} more" if len(kindless) > 3 else "")
+        raise ValueError(
+            f"plain text has no kind ({shown}): pass --kind "
+            + "|".join(k.value for k in DocumentKind)
+            + ", or --topic for the topic it belongs on"
+        )
+    sent = await publish_documents(
+        settings, documents, topic=options.topic, key=options.key, headers=options.headers
+    )
+    for s in sent:
+        print(f"{s.document_id}\t{s.topic}[{s.partition}]@{s.offset}\tevent_id={s.event_id}")
 
 
-async def _tail(settings: Settings, count: int | None, timeout_s: float, as_json: bool) -> None:
-    from pipeline.client import collect_answers, dump_answer
+async def _tail(
+    settings: Settings, count: int | None, timeout_s: float | None, as_json: bool, from_beginning: bool
+) -> None:
+    from pipeline.client import dump_answer, follow_answers
     from pipeline.report import render_dead_letter, render_event
+    from schemas import AnalysisEvent
 
     console = Console()
-    answers = await collect_answers(settings, None, timeout_s, count=count)
-    for found in answers.values():
-        for answer in found:
+    where = f"{settings.topic_analysis}, {settings.topic_dead_letters}"
+    start = "from the beginning" if from_beginning else "from now on"
+    notice = Console(stderr=True, highlight=False)
+    answers = follow_answers(
+        settings, from_beginning=from_beginning, count=count, timeout_s=timeout_s,
+        on_ready=lambda: notice.print(f"% reading {where} {start}"),
+    )  # fmt: skip
+    async with contextlib.aclosing(answers):
+        async for answer in answers:
             if as_json:
-                print(dump_answer(answer))
+                print(dump_answer(answer), flush=True)
             elif isinstance(answer, AnalysisEvent):
                 console.print(render_event(answer))
             else:
                 console.print(render_dead_letter(answer))
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("deepanalyze")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="deepanalyze", description="A private text analyst on a message bus."
     )
+    parser.add_argument("--version", action="version", version=f"deepanalyze {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser(
         "run", help="run a worker: consume documents, publish analyses (configured by the environment)"
@@ -94,15 +150,30 @@ def _parser() -> argparse.ArgumentParser:
     broker.add_argument(
         "--data", type=Path, default=None, help="keep Kafka's data in this folder (default: a temporary one)"
     )
-    publish = sub.add_parser("publish", help="publish files, folders or stdin (-) as documents")
+    publish = sub.add_parser(
+        "publish",
+        help="publish files, folders or stdin (-) as documents",
+        description="*.json files are DocumentEvents; other files are plain text, which needs --kind "
+        "(or --topic). With --lines every line is a document.",
+    )
     publish.add_argument("paths", nargs="+", type=Path)
     publish.add_argument(
-        "--kind", choices=[k.value for k in DocumentKind], help="override the documents' kind"
+        "--kind", choices=[k.value for k in DocumentKind], help="the documents' kind (overrides their own)"
     )
-    tail = sub.add_parser("tail", help="print analysis events and dead letters, from the beginning")
-    tail.add_argument("--count", type=int, default=None, help="stop after this many")
-    tail.add_argument("--timeout", type=float, default=10.0, help="stop after this many seconds")
-    tail.add_argument("--json", action="store_true", help="print raw JSON")
+    publish.add_argument(
+        "--lines", action="store_true", help="one document per line (text, or JSON from '{')"
+    )
+    publish.add_argument("--topic", help="publish to this topic instead of the kind's input topic")
+    publish.add_argument("--key", help="the records' key (default: each document's id)")
+    publish.add_argument(
+        "--header", type=_header, action="append", default=[], metavar="NAME=VALUE",
+        help="a record header, added to the document's own (repeatable)",
+    )  # fmt: skip
+    tail = sub.add_parser("tail", help="print analysis events and dead letters as they arrive (Ctrl-C stops)")
+    tail.add_argument("--from-beginning", action="store_true", help="start at the topics' beginning")
+    tail.add_argument("--count", type=int, default=None, help="stop after exactly this many")
+    tail.add_argument("--timeout", type=float, default=None, help="stop after this many seconds")
+    tail.add_argument("--json", action="store_true", help="one JSON object per line")
     sub.add_parser("prepare-model", help="reassemble, verify and convert the default model (cached)")
     demo = sub.add_parser("demo", help="embedded broker + default model + the bundled samples, end to end")
     demo.add_argument("--timeout", type=float, default=900.0)
@@ -111,6 +182,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    from aiokafka.errors import KafkaError
+
+    from engine import EngineError, ModelLoadError
+
     console = Console(stderr=True, soft_wrap=True)  # errors stay on one greppable line
     try:
         settings = load_settings()
@@ -128,9 +203,12 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "broker":
             asyncio.run(_broker(args.port, args.data))
         elif args.command == "publish":
-            asyncio.run(_publish(settings, args.paths, DocumentKind(args.kind) if args.kind else None))
+            kind = DocumentKind(args.kind) if args.kind else None
+            key = args.key.encode("utf-8") if args.key is not None else None
+            options = PublishOptions(kind, args.lines, args.topic, key, args.header)
+            asyncio.run(_publish(settings, args.paths, options))
         elif args.command == "tail":
-            asyncio.run(_tail(settings, args.count, args.timeout, args.json))
+            asyncio.run(_tail(settings, args.count, args.timeout, args.json, args.from_beginning))
         elif args.command == "prepare-model":
             from pipeline.app import resolve_model_path
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,15 +58,38 @@ def answer_id(
     return event_id_for(meta.topic, meta.partition, meta.offset, timestamp, value)
 
 
-def load_documents(paths: Iterable[Path], kind: DocumentKind | None = None) -> list[DocumentEvent]:
-    """`*.json` files as DocumentEvents, anything else as plain text (id = file name); folders expand."""
+def documents_from_lines(text: str, source: str, kind: DocumentKind | None = None) -> list[DocumentEvent]:
+    """One document per non-blank line: a line that begins with "{" is a DocumentEvent in JSON,
+    any other its text (id: `source` and the line's number)."""
+    documents = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            if line.lstrip().startswith("{"):
+                event = DocumentEvent.model_validate_json(line)
+                documents.append(event.model_copy(update={"kind": kind}) if kind else event)
+            else:
+                documents.append(DocumentEvent(document_id=f"{source}-{number}", kind=kind, text=line))
+        except ValidationError as exc:
+            raise ValueError(f"{source} line {number} is not a publishable document: {exc}") from exc
+    return documents
+
+
+def load_documents(
+    paths: Iterable[Path], kind: DocumentKind | None = None, *, lines: bool = False
+) -> list[DocumentEvent]:
+    """`*.json` files as DocumentEvents, anything else as plain text (id = file name); folders expand.
+    With `lines`, every file holds one document per line (`documents_from_lines`)."""
     documents = []
     for path in paths:
         if path.is_dir():
-            documents += load_documents(sorted(p for p in path.iterdir() if p.is_file()), kind)
+            documents += load_documents(sorted(p for p in path.iterdir() if p.is_file()), kind, lines=lines)
             continue
         try:
-            if path.suffix == ".json":
+            if lines:
+                documents += documents_from_lines(path.read_text(encoding="utf-8"), path.stem, kind)
+            elif path.suffix == ".json":
                 event = DocumentEvent.model_validate_json(path.read_bytes())
                 documents.append(event.model_copy(update={"kind": kind}) if kind else event)
             else:
@@ -77,21 +100,43 @@ def load_documents(paths: Iterable[Path], kind: DocumentKind | None = None) -> l
     return documents
 
 
-async def send_document(producer: AIOKafkaProducer, settings: Settings, document: DocumentEvent) -> Sent:
-    """Publishes one document to its kind's input topic; returns where the broker put it."""
-    topic = settings.topic_for(document.kind or DocumentKind.COMPLAINT)
-    value, headers = encode_document(document)
-    key = (document.document_id or "").encode("utf-8") or None
+async def send_document(
+    producer: AIOKafkaProducer,
+    settings: Settings,
+    document: DocumentEvent,
+    *,
+    topic: str | None = None,
+    key: bytes | None = None,
+    headers: Sequence[tuple[str, bytes]] = (),
+) -> Sent:
+    """Publishes one document to `topic`, by default its kind's input topic, keyed by `key`, by
+    default its document id, with `headers` after the document's own; returns where the broker put it."""
+    topic = topic or settings.topic_for(document.kind or DocumentKind.COMPLAINT)
+    value, own_headers = encode_document(document)
+    key = key if key is not None else (document.document_id or "").encode("utf-8") or None
     now_ms = int(time.time() * 1000)
-    meta = await producer.send_and_wait(topic, value, key=key, headers=headers, timestamp_ms=now_ms)
+    meta = await producer.send_and_wait(
+        topic, value, key=key, headers=[*own_headers, *headers], timestamp_ms=now_ms
+    )
     return Sent.of(document.document_id or f"{topic}/{meta.partition}/{meta.offset}", meta, value, now_ms)
 
 
-async def publish_documents(settings: Settings, documents: Iterable[DocumentEvent]) -> list[Sent]:
+async def publish_documents(
+    settings: Settings,
+    documents: Iterable[DocumentEvent],
+    *,
+    topic: str | None = None,
+    key: bytes | None = None,
+    headers: Sequence[tuple[str, bytes]] = (),
+) -> list[Sent]:
+    """Publishes documents one after another (see `send_document` for the options)."""
     producer = make_producer(settings)
     await producer.start()
     try:
-        return [await send_document(producer, settings, document) for document in documents]
+        return [
+            await send_document(producer, settings, document, topic=topic, key=key, headers=headers)
+            for document in documents
+        ]
     finally:
         await producer.stop()
 
@@ -149,15 +194,60 @@ async def collect_answers(
         await consumer.stop()
 
 
-async def assign_answer_topics(consumer: AIOKafkaConsumer, settings: Settings) -> list[TopicPartition]:
+async def follow_answers(
+    settings: Settings,
+    *,
+    from_beginning: bool = False,
+    count: int | None = None,
+    timeout_s: float | None = None,
+    on_ready: Callable[[], None] | None = None,
+) -> AsyncGenerator[Answer, None]:
+    """Answers as they arrive on both answer topics, from their end (or beginning), one at a time:
+    exactly `count` of them at most, for `timeout_s` at most (None: until the caller stops).
+    `on_ready` is called once the consumer holds its positions: anything answered later is seen."""
+    consumer = make_consumer(settings, grouped=False)
+    await consumer.start()
+    try:
+        await assign_answer_topics(consumer, settings, from_beginning=from_beginning)
+        if on_ready is not None:
+            on_ready()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        seen = 0
+        while count is None or seen < count:
+            wait_s = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+            if wait_s <= 0:
+                return
+            batch = await consumer.getmany(timeout_ms=int(wait_s * 1000))
+            for tp, records in batch.items():
+                for record in records:
+                    answer = parse_answer(tp.topic, record.value, settings)
+                    if answer is None:
+                        continue
+                    yield answer
+                    seen += 1
+                    if count is not None and seen >= count:
+                        return
+    finally:
+        await consumer.stop()
+
+
+async def assign_answer_topics(
+    consumer: AIOKafkaConsumer, settings: Settings, *, from_beginning: bool = True
+) -> list[TopicPartition]:
     """Assigns every partition of the analysis and dead-letter topics to a group-less consumer,
-    positioned at their beginning."""
+    positioned at their beginning (or their end)."""
     found = await partitions_of(settings, [settings.topic_analysis, settings.topic_dead_letters])
     partitions = [TopicPartition(topic, p) for topic, numbers in found.items() for p in numbers]
     consumer.assign(partitions)
-    await consumer.seek_to_beginning(*partitions)
+    if from_beginning:
+        await consumer.seek_to_beginning(*partitions)
+    else:
+        await consumer.seek_to_end(*partitions)
+        for tp in partitions:  # resolve the end now: what arrives from here on is printed
+            await consumer.position(tp)
     return partitions
 
 
 def dump_answer(answer: Answer) -> str:
-    return json.dumps(answer.model_dump(mode="json"), ensure_ascii=False, indent=2)
+    """One answer as one line of JSON (JSON Lines, as `jq -c` and kcat print)."""
+    return json.dumps(answer.model_dump(mode="json"), ensure_ascii=False, separators=(",", ":"))
