@@ -7,6 +7,8 @@ headers) hangs under it.
 
 from __future__ import annotations
 
+import base64
+
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import (
     CorruptRecordException,
@@ -49,19 +51,30 @@ class AnswerRejected(ValueError):
 
 
 def answer_record(answer: AnalysisEvent | DeadLetter, settings: Settings) -> tuple[str, bytes, bytes]:
-    """The answer's topic, key and value; AnswerRejected when larger than MAX_MESSAGE_BYTES."""
+    """The answer's topic, key and value; AnswerRejected when larger than MAX_MESSAGE_BYTES.
+
+    Keyed by the document's id; a dead letter of a record that could not be read keeps the record's
+    own key (whole, in any bytes), so it lands beside its source's other records; without either,
+    its event id."""
     if isinstance(answer, AnalysisEvent):
-        topic, key = settings.topic_analysis, answer.document_id
+        topic, key_bytes = settings.topic_analysis, answer.document_id.encode("utf-8")
     else:
-        topic, key = settings.topic_dead_letters, answer.document_id or answer.event_id
+        topic, key_bytes = settings.topic_dead_letters, dead_letter_key(answer)
     value = answer.model_dump_json().encode("utf-8")
-    key_bytes = key.encode("utf-8")
     if len(value) + len(key_bytes) > settings.max_message_bytes:
         raise AnswerRejected(
             f"the answer to {answer.event_id} has {len(value)} bytes; "
             f"MAX_MESSAGE_BYTES is {settings.max_message_bytes}"
         )
     return topic, key_bytes, value
+
+
+def dead_letter_key(answer: DeadLetter) -> bytes:
+    if answer.document_id:
+        return answer.document_id.encode("utf-8")
+    if answer.key_b64 and not answer.key_truncated:
+        return base64.b64decode(answer.key_b64)
+    return answer.event_id.encode("utf-8")
 
 
 class Publisher:
@@ -72,7 +85,7 @@ class Publisher:
 
     async def publish(self, answer: AnalysisEvent | DeadLetter) -> None:
         topic, key_bytes, value = answer_record(answer, self.settings)
-        key = key_bytes.decode("utf-8")
+        key = key_bytes.decode("utf-8", errors="replace")  # a source key may be any bytes
         attributes: dict[str, str | int] = {
             "messaging.system": "kafka",
             "messaging.operation.type": "send",
