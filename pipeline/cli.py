@@ -11,13 +11,14 @@ import contextlib
 import dataclasses
 import importlib.metadata
 import logging
+import os
 import sys
 from pathlib import Path
 
 from rich.console import Console
 
 from pipeline.logs import setup_logging
-from pipeline.settings import Settings, SettingsError, load_settings
+from pipeline.settings import Settings, SettingsError, load_settings, unknown_variables
 from schemas import DocumentKind
 
 log = logging.getLogger("deepanalyze")
@@ -192,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as exc:
         console.print(f"[red]{exc}[/red]")
         return 2
+    for warning in unknown_variables(os.environ):
+        console.print(f"[yellow]warning:[/yellow] {warning}", highlight=False)
     setup_logging(settings.log_level)
     try:
         if args.command == "run" and args.workers > 1:

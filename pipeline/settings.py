@@ -7,11 +7,13 @@ names the variable.
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
+import os
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
+from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from engine.config import EngineConfig, EngineOptions
@@ -201,6 +203,20 @@ class Settings(BaseSettings, EngineOptions):
             )
         return value
 
+    @model_validator(mode="after")
+    def _kafka_security_complete(self) -> Settings:
+        # Checked here, before any model or pool is loaded, not by the Kafka client at connect time.
+        protocol = self.kafka_security_protocol
+        if protocol.startswith("SASL") and (
+            self.kafka_sasl_username is None or self.kafka_sasl_password is None
+        ):
+            raise ValueError(
+                f"KAFKA_SECURITY_PROTOCOL={protocol} needs KAFKA_SASL_USERNAME and KAFKA_SASL_PASSWORD"
+            )
+        if self.kafka_ssl_cafile is not None and not self.kafka_ssl_cafile.is_file():
+            raise ValueError(f"KAFKA_SSL_CAFILE={self.kafka_ssl_cafile} is not a file")
+        return self
+
     @staticmethod
     def is_loopback(host: str) -> bool:
         """Whether `host` (an address or name, IPv6 with or without brackets) reaches this machine only."""
@@ -210,6 +226,28 @@ class Settings(BaseSettings, EngineOptions):
             return ipaddress.ip_address(host.strip("[]")).is_loopback
         except ValueError:
             return False
+
+
+# Variables the project reads besides the settings (pipeline/broker.py, pipeline/kafka_broker.py).
+OTHER_VARIABLES = frozenset({"EMBEDDED_BROKER", "KAFKA_LIBS"})
+
+
+def unknown_variables(environ: dict[str, str] | os._Environ[str]) -> list[str]:
+    """Warnings for variables that look meant for this project and are not read: a near miss of a
+    setting's name (`KV_COMPRESION`), or any name beginning with DEEPANALYZE_ (there is no prefix)."""
+    known = {name.upper() for name in Settings.model_fields} | OTHER_VARIABLES
+    warnings = []
+    for name in sorted(environ):
+        upper = name.upper()
+        if upper in known:
+            continue
+        if upper.startswith("DEEPANALYZE_"):
+            warnings.append(
+                f"{name} is not read (settings have no prefix: {upper.removeprefix('DEEPANALYZE_')}?)"
+            )
+        elif close := difflib.get_close_matches(upper, known, n=1, cutoff=0.9):
+            warnings.append(f"{name} is not read (did you mean {close[0]}?)")
+    return warnings
 
 
 def load_settings(**overrides: object) -> Settings:

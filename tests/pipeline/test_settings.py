@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from pipeline.settings import SettingsError, load_settings
+from pipeline.settings import SettingsError, load_settings, unknown_variables
 
 
 def test_reads_the_articles_switches_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -50,3 +52,28 @@ def test_secrets_are_not_printed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KAFKA_SASL_PASSWORD", "hunter2")
     settings = load_settings()
     assert "hunter2" not in repr(settings) and "hunter2" not in str(settings.model_dump())
+
+
+def test_sasl_without_credentials_is_refused_before_anything_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KAFKA_SECURITY_PROTOCOL", "SASL_SSL")
+    monkeypatch.setenv("KAFKA_SASL_USERNAME", "worker")
+    with pytest.raises(SettingsError, match="needs KAFKA_SASL_USERNAME and KAFKA_SASL_PASSWORD"):
+        load_settings()
+    monkeypatch.setenv("KAFKA_SASL_PASSWORD", "a-password")
+    assert load_settings().kafka_security_protocol == "SASL_SSL"
+
+
+def test_a_missing_ca_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match=r"KAFKA_SSL_CAFILE=.*is not a file"):
+        load_settings(kafka_security_protocol="SSL", kafka_ssl_cafile=tmp_path / "ca.pem")
+
+
+def test_near_misses_of_setting_names_and_a_project_prefix_are_warned_about() -> None:
+    warnings = unknown_variables(
+        {"KV_COMPRESION": "true", "DEEPANALYZE_MODEL_PATH": "/m", "KV_COMPRESSION": "true", "PATH": "/bin",
+         "KAFKA_HEAP_OPTS": "-Xmx1G", "EMBEDDED_BROKER": "kafka"}
+    )  # fmt: skip
+    assert warnings == [
+        "DEEPANALYZE_MODEL_PATH is not read (settings have no prefix: MODEL_PATH?)",
+        "KV_COMPRESION is not read (did you mean KV_COMPRESSION?)",
+    ]
