@@ -7,6 +7,7 @@ the bytes sent (`event_id_for`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
@@ -58,6 +59,12 @@ def answer_id(
     return event_id_for(meta.topic, meta.partition, meta.offset, timestamp, value)
 
 
+def _json_document(data: str | bytes, kind: DocumentKind | None) -> DocumentEvent:
+    """A DocumentEvent in JSON, its kind replaced by `kind` when one is given."""
+    event = DocumentEvent.model_validate_json(data)
+    return event.model_copy(update={"kind": kind}) if kind else event
+
+
 def documents_from_lines(text: str, source: str, kind: DocumentKind | None = None) -> list[DocumentEvent]:
     """One document per non-blank line: a line that begins with "{" is a DocumentEvent in JSON,
     any other its text (id: `source` and the line's number)."""
@@ -67,8 +74,7 @@ def documents_from_lines(text: str, source: str, kind: DocumentKind | None = Non
             continue
         try:
             if line.lstrip().startswith("{"):
-                event = DocumentEvent.model_validate_json(line)
-                documents.append(event.model_copy(update={"kind": kind}) if kind else event)
+                documents.append(_json_document(line, kind))
             else:
                 documents.append(DocumentEvent(document_id=f"{source}-{number}", kind=kind, text=line))
         except ValidationError as exc:
@@ -90,8 +96,7 @@ def load_documents(
             if lines:
                 documents += documents_from_lines(path.read_text(encoding="utf-8"), path.stem, kind)
             elif path.suffix == ".json":
-                event = DocumentEvent.model_validate_json(path.read_bytes())
-                documents.append(event.model_copy(update={"kind": kind}) if kind else event)
+                documents.append(_json_document(path.read_bytes(), kind))
             else:
                 text = path.read_text(encoding="utf-8")
                 documents.append(DocumentEvent(document_id=path.stem, kind=kind, text=text))
@@ -172,26 +177,14 @@ async def collect_answers(
 ) -> dict[str, list[Answer]]:
     """Reads both answer topics from the beginning until every expected event id has an answer
     (or `count` answers arrived), or the timeout passes. Keeps duplicates, keyed by event id."""
-    consumer = make_consumer(settings, grouped=False)
-    await consumer.start()
     answers: dict[str, list[Answer]] = {}
-    try:
-        await assign_answer_topics(consumer, settings)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            batch = await consumer.getmany(timeout_ms=200)
-            for tp, records in batch.items():
-                for record in records:
-                    answer = parse_answer(tp.topic, record.value, settings)
-                    if answer is not None:
-                        answers.setdefault(answer.event_id, []).append(answer)
+    found = follow_answers(settings, from_beginning=True, count=count, timeout_s=timeout_s)
+    async with contextlib.aclosing(found):
+        async for answer in found:
+            answers.setdefault(answer.event_id, []).append(answer)
             if expected is not None and expected <= answers.keys():
                 break
-            if count is not None and sum(map(len, answers.values())) >= count:
-                break
-        return answers
-    finally:
-        await consumer.stop()
+    return answers
 
 
 async def follow_answers(
