@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from pipeline.analyzer import LabelPolicy
     from pipeline.settings import Settings
 
 
@@ -26,6 +27,15 @@ def model_path(arg: Path | None) -> Path:
     from pipeline.settings import load_settings
 
     return arg if arg is not None else resolve_model_path(load_settings())
+
+
+def label_policy(arg: Path | None) -> LabelPolicy:
+    """The service's label policy for the model `model_path(arg)` resolves (`--model`: the default)."""
+    from pipeline.analyzer import LabelPolicy
+    from pipeline.service import label_policy
+    from pipeline.settings import load_settings
+
+    return LabelPolicy() if arg is not None else label_policy(load_settings())
 
 
 def worker_env(settings: Settings, **extra: str) -> dict[str, str]:

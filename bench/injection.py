@@ -105,7 +105,8 @@ async def run(args: Any) -> dict[str, Any]:
         kv_cache_bytes=1 << 30,
     )
     engine = await asyncio.to_thread(Engine.from_config, config)
-    analyzer = Analyzer(engine, trace.NoOpTracer(), max_new_tokens=512, attempts=2)
+    policy = common.label_policy(args.model)
+    analyzer = Analyzer(engine, trace.NoOpTracer(), max_new_tokens=512, attempts=2, policy=policy)
     bases = [t for t in team_rows(TEAM) if t["polarity"] == "negative"]
     cases = appended(bases, read_lines(PHRASINGS[args.phrasings]), args.per_language)
     controls = appended(bases, read_lines(CONTROL), args.per_language) if args.control else []

@@ -34,7 +34,7 @@ from rich.table import Table
 
 from bench import common, real_data
 from engine import Engine, EngineConfig
-from pipeline.analyzer import AnalysisFailed, Analyzer, LabelPolicy, Scored, decide
+from pipeline.analyzer import AnalysisFailed, Analyzer, LabelPolicy, Scored, decide, probabilities
 from pipeline.codec import Document
 from pipeline.triage import apply_floor, safety_signals
 from prompts import Question, hygiene, questions, screen
@@ -103,6 +103,32 @@ def polarity_report(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return report
 
 
+def polarity_reports(rows: list[dict[str, Any]], languages: Iterable[str]) -> dict[str, Any]:
+    """`polarity_report` over all rows, each language and each source."""
+    return {
+        "all": polarity_report(rows),
+        **{lang: polarity_report([r for r in rows if r["language"] == lang]) for lang in languages},
+        **{src: polarity_report([r for r in rows if r["source"] == src]) for src in sorted({r["source"] for r in rows})},
+    }  # fmt: skip
+
+
+def replayed(stored: dict[str, Any], policy: LabelPolicy) -> dict[str, Any]:
+    """A committed result's label rows decided again under `policy` (no model): what a policy chosen
+    later gives on documents evaluated before it."""
+    asked = questions_by_language(stored["priors"])
+    rows = replay(stored["rows"]["labels"], asked, stored["priors"], policy)
+    return {
+        "model": stored["model"],
+        "dtype": stored["dtype"],
+        "split": stored["split"],
+        "policy": dataclasses.asdict(policy),
+        "stored_policy": stored["policy"],
+        "stored_polarity": stored["polarity"],
+        "polarity": polarity_reports(rows, sorted(stored["priors"])),
+        "rows": {"labels": [{k: v for k, v in r.items() if k != "text"} for r in rows]},
+    }
+
+
 def first_of_each(rows: list[real_data.Labelled], count: int) -> list[real_data.Labelled]:
     """The first `count` documents of each (language, label) of a sample, shared evenly among the
     language's sources: a larger model measured on part of the very documents the default was."""
@@ -123,22 +149,37 @@ async def labels_on(analyzer: Analyzer, docs: list[Document]) -> list[Scored]:
     return await bounded([job(d) for d in docs], 32)
 
 
+def document_priors(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per language, the polarity question's option probabilities (among its options) averaged over
+    stored rows, by value: batch calibration's prior (Zhou et al. 2023) from a development split's
+    documents, their labels unused (`LabelPolicy.polarity_prior`)."""
+    asked = questions_by_language({r["language"] for r in rows})
+    priors = {}
+    for lang in sorted(asked):
+        shares = [probabilities(r["scores"]["polarity"], None) for r in rows if r["language"] == lang]
+        values = asked[lang]["polarity"].values
+        priors[lang] = {v: round(sum(s[i] for s in shares) / len(shares), 4) for i, v in enumerate(values)}
+    return priors
+
+
 def tune(rows: list[dict[str, Any]], priors: dict[str, dict[str, list[float]]]) -> list[dict[str, Any]]:
     """Every policy of a small grid applied to stored scores (no model run): the rule is chosen on
-    the development split's accuracy over all its labels, neutral included."""
+    the development split's accuracy over all its labels, neutral included. The polarity prior is
+    either the content-free one or the split's own documents' (`document_priors`)."""
     asked = questions_by_language(priors)
     grid: list[dict[str, Any]] = []
     stored = set(rows[0]["scores"])
-    for sides in side_combinations(stored):
-        for weight in (0.0, 0.5, 1.0, 1.25, 1.5, 2.0):
-            for neutral_at in (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0):
-                policy = LabelPolicy(
-                    neutral_at=neutral_at, polarity_calibration=weight, polarity_questions=sides
-                )
-                decided = replay(rows, asked, priors, policy)
-                grid.append({"neutral_at": neutral_at, "polarity_calibration": weight, "polarity_questions": sides,
-                             **{k: polarity_report([r for r in decided if r["language"] == k or k == "all"])
-                                for k in ("all", "zh", "en")}})  # fmt: skip
+    for prior_name, prior in (("content-free", {}), ("documents", document_priors(rows))):
+        for sides in side_combinations(stored):
+            for weight in (0.0, 0.5, 1.0, 1.25, 1.5, 2.0):
+                for neutral_at in (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0):
+                    policy = LabelPolicy(neutral_at=neutral_at, polarity_calibration=weight,
+                                         polarity_questions=sides, polarity_prior=prior)  # fmt: skip
+                    decided = replay(rows, asked, priors, policy)
+                    grid.append({"prior": prior_name, "neutral_at": neutral_at, "polarity_calibration": weight,
+                                 "polarity_questions": sides,
+                                 **{k: polarity_report([r for r in decided if r["language"] == k or k == "all"])
+                                    for k in ("all", "zh", "en")}})  # fmt: skip
     return sorted(grid, key=lambda g: -g["all"]["accuracy"])
 
 
@@ -163,10 +204,16 @@ def replay(
 ) -> list[dict[str, Any]]:
     """Stored rows decided again under `policy` (no model)."""
     return [
-        {**row, "polarity": decide(Scored(asked[row["language"]], row["scores"], priors[row["language"]]),
-                                   policy).polarity.value}
+        {**row, "polarity": decide(under(policy, Scored(asked[row["language"]], row["scores"], priors[row["language"]]),
+                                         row["language"]), policy).polarity.value}
         for row in rows
     ]  # fmt: skip
+
+
+def under(policy: LabelPolicy, scored: Scored, language: str) -> Scored:
+    """`scored` with the priors `policy` fixes in place of the measured (content-free) ones."""
+    priors = {n: policy.fixed_prior(language, scored.asked[n]) or p for n, p in scored.priors.items()}
+    return Scored(scored.asked, scored.logprobs, priors)
 
 
 def hygiene_counts(language: Language, document_text: str, value: dict[str, Any]) -> Counter[str]:
@@ -217,9 +264,10 @@ async def run(args: Any) -> dict[str, Any]:
     engine = await asyncio.to_thread(Engine.from_config, config)
     # Every side question is asked and stored (so that `--tune` and the comparison below can replay
     # them); the labels are decided by the service's default policy, which uses the ones it names.
+    # The service's policy for this model; the content-free priors are measured and stored all the same.
+    policy = common.label_policy(args.model)
     asks_all = LabelPolicy(polarity_questions=POLARITY_QUESTIONS)
     analyzer = Analyzer(engine, trace.NoOpTracer(), max_new_tokens=512, attempts=2, policy=asks_all)
-    policy = LabelPolicy()
     results: dict[str, Any] = {
         "model": engine.model_id,
         "dtype": str(engine.loaded.dtype),
@@ -235,7 +283,9 @@ async def run(args: Any) -> dict[str, Any]:
         started = time.perf_counter()
         scored = await labels_on(analyzer, docs)
         label_s = time.perf_counter() - started
-        decided = [decide(s, policy) for s in scored]
+        decided = [
+            decide(under(policy, s, d.language.value), policy) for s, d in zip(scored, docs, strict=True)
+        ]
         rows = [
             {"source": r.source, "language": r.language, "label": r.polarity, "polarity": lab.polarity.value,
              "confidence": lab.confidence, "doubt": lab.doubt, "expectation": lab.expectation, "text": r.text,
@@ -256,14 +306,7 @@ async def run(args: Any) -> dict[str, Any]:
                 lang: polarity_report([r for r in again if lang == "all" or r["language"] == lang])
                 for lang in ("all", *args.languages)
             }
-        results["polarity"] = {
-            "all": polarity_report(rows),
-            **{lang: polarity_report([r for r in rows if r["language"] == lang]) for lang in args.languages},
-            **{
-                src: polarity_report([r for r in rows if r["source"] == src])
-                for src in sorted({r["source"] for r in rows})
-            },
-        }
+        results["polarity"] = polarity_reports(rows, args.languages)
 
         every = team_rows(args.team)
         team = [
@@ -274,7 +317,11 @@ async def run(args: Any) -> dict[str, Any]:
         team_docs = [
             document(10_000 + i, DocumentKind.COMPLAINT, t["language"], t["text"]) for i, t in enumerate(team)
         ]
-        team_labels = [decide(s, policy) for s in await labels_on(analyzer, team_docs)]
+        team_scored = await labels_on(analyzer, team_docs)
+        team_labels = [
+            decide(under(policy, s, d.language.value), policy)
+            for s, d in zip(team_scored, team_docs, strict=True)
+        ]
         team_out = []
         for t, d, lab in zip(team, team_docs, team_labels, strict=True):
             draft = Triage(
@@ -331,7 +378,7 @@ async def run(args: Any) -> dict[str, Any]:
     return results
 
 
-def show(results: dict[str, Any], console: Console) -> None:
+def show_polarity(results: dict[str, Any], console: Console) -> None:
     table = Table(
         "set",
         "n",
@@ -346,6 +393,10 @@ def show(results: dict[str, Any], console: Console) -> None:
         table.add_row(name, str(rep["n"]), f"{rep['accuracy']:.3f}", f"{rep['macro_f1']:.3f}", f"{rep['neutral_rate']:.2f}",
                       f"{rep['doubt_rate']:.2f}", f"{rep['expectation_rate']:.2f}")  # fmt: skip
     console.print(table)
+
+
+def show(results: dict[str, Any], console: Console) -> None:
+    show_polarity(results, console)
     sides = Table(
         "side questions", "polarity acc.", "zh", "en", title="The same documents, each set of side questions"
     )
@@ -379,11 +430,11 @@ def show(results: dict[str, Any], console: Console) -> None:
 
 
 def show_grid(grid: list[dict[str, Any]], model: str, console: Console) -> None:
-    table = Table("side questions", "calibration", "neutral above", "accuracy (all labels)", "binary acc.", "zh binary",
+    table = Table("prior", "side questions", "calibration", "neutral above", "accuracy (all labels)", "binary acc.", "zh binary",
                   "en binary", "neutral recall (zh)", title=f"Label policy on the development split — {model}")  # fmt: skip
     for g in grid[:15]:
         zh, en = g["zh"], g["en"]
-        table.add_row("+".join(g.get("polarity_questions", ("polarity",))), f"{g['polarity_calibration']:.2f}", f"{g['neutral_at']:.2f}", f"{g['all']['accuracy']:.3f}",
+        table.add_row(g.get("prior", "content-free"), "+".join(g.get("polarity_questions", ("polarity",))), f"{g['polarity_calibration']:.2f}", f"{g['neutral_at']:.2f}", f"{g['all']['accuracy']:.3f}",
                       f"{g['all'].get('binary_accuracy', g['all']['accuracy']):.3f}",
                       f"{zh.get('binary_accuracy', zh['accuracy']):.3f}", f"{en['accuracy']:.3f}",
                       f"{zh.get('neutral_recall', 0):.2f}")  # fmt: skip
@@ -417,14 +468,28 @@ def main() -> None:
         default=None,
         help="a --split dev result: print the policy grid on its stored scores (no model)",
     )
+    parser.add_argument(
+        "--replay",
+        type=Path,
+        default=None,
+        help="a stored result: decide its label rows again under the service's policy for MODEL (no model)",
+    )
     args = parser.parse_args()
+    if args.replay is not None:
+        again = replayed(json.loads(args.replay.read_text(encoding="utf-8")), common.label_policy(args.model))
+        args.out.write_text(json.dumps(again, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+        show_polarity(again, Console(width=140))
+        return
     if args.tune is not None:
         dev = json.loads(args.tune.read_text(encoding="utf-8"))
         grid = tune(dev["rows"]["labels"], dev["priors"])
+        prior = document_priors(dev["rows"]["labels"])
         args.out.write_text(
-            json.dumps({"model": dev["model"], "grid": grid}, indent=1) + "\n", encoding="utf-8"
+            json.dumps({"model": dev["model"], "document_prior": prior, "grid": grid}, indent=1) + "\n",
+            encoding="utf-8",
         )
         show_grid(grid, dev["model"], Console(width=140))
+        print(f"the documents' polarity prior (LabelPolicy.polarity_prior): {json.dumps(prior)}")
         return
     results = asyncio.run(run(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)

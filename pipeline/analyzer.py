@@ -19,8 +19,8 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from opentelemetry import trace
@@ -128,6 +128,16 @@ class LabelPolicy:
     # The side questions asked and combined (their calibrated log-odds averaged); see
     # `prompts.render.POLARITY_QUESTIONS`. Those not named here are not asked.
     polarity_questions: tuple[str, ...] = ("polarity",)
+    # Per language ("zh", "en"): the polarity question's option probabilities averaged over a
+    # development split's documents (batch calibration, Zhou et al. 2023), by value. Where given it
+    # replaces the prior measured on content-free inputs; a bundled model carries its own
+    # (`pipeline.bundled_models`), another model's comes from `python -m bench.quality --tune`.
+    polarity_prior: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+
+    def fixed_prior(self, language: str, question: Question) -> list[float] | None:
+        """`question`'s prior in option order when the policy fixes it for `language`, else None."""
+        measured = self.polarity_prior.get(language) if question.name == "polarity" else None
+        return None if measured is None else [measured[v] for v in question.values]
 
 
 def probabilities(
@@ -236,19 +246,23 @@ class Analyzer:
         if key not in self._priors:
             future = self._priors[key] = asyncio.get_running_loop().create_future()
             try:
-                rows = []
-                for text in CONTENT_FREE:
-                    asked = questions(DocumentKind.COMPLAINT, language, text)
-                    question = next(q for q in asked if q.name == name)
-                    rows.append(await self._score(question))
-                future.set_result(
-                    [sum(math.exp(r[i]) for r in rows) / len(rows) for i in range(len(rows[0]))]
-                )
+                future.set_result(await self._measure_prior(language, name))
             except BaseException as exc:
                 del self._priors[key]
                 future.set_exception(exc)
                 raise
         return await asyncio.shield(self._priors[key])
+
+    async def _measure_prior(self, language: Language, name: str) -> list[float]:
+        """The policy's fixed prior for the question, else its option probabilities averaged over
+        the content-free inputs."""
+        rows = []
+        for text in CONTENT_FREE:
+            question = next(q for q in questions(DocumentKind.COMPLAINT, language, text) if q.name == name)
+            if (fixed := self.policy.fixed_prior(language.value, question)) is not None:
+                return fixed
+            rows.append(await self._score(question))
+        return [sum(math.exp(r[i]) for r in rows) / len(rows) for i in range(len(rows[0]))]
 
     async def _score(self, question: Question) -> list[float]:
         try:

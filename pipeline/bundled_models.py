@@ -20,7 +20,7 @@ import logging
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from types import MappingProxyType
@@ -48,6 +48,9 @@ class BundledModel:
     gguf_sha256: str  # of the reassembled GGUF
     extra: str  # the pyproject extra that installs the parts
     make_target: str  # the Makefile target that installs them
+    # The label policy's polarity prior for this model (`LabelPolicy.polarity_prior`), measured on
+    # the development split (`python -m bench.quality --tune`); empty: the content-free prior.
+    polarity_prior: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
 
     @property
     def folder_name(self) -> str:
@@ -72,6 +75,12 @@ MODELS: Mapping[str, BundledModel] = MappingProxyType(
                 gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
                 extra="model",
                 make_target="install",
+                # `python -m bench.quality --tune bench/results/quality-dev-cpu-0.5b-sides.json`: the
+                # polarity answer's mean over the development split's 449 documents (labels unused).
+                polarity_prior={
+                    "en": {"positive": 0.5665, "negative": 0.4335},
+                    "zh": {"positive": 0.7006, "negative": 0.2994},
+                },
             ),
             BundledModel(
                 name="qwen2.5-coder-1.5b",

@@ -31,8 +31,9 @@ from aiokafka.errors import CommitFailedError, KafkaError
 from aiokafka.structs import ConsumerRecord, TopicPartition
 from opentelemetry import trace
 
-from pipeline.analyzer import AnalysisEngine, Analyzer
+from pipeline.analyzer import AnalysisEngine, Analyzer, LabelPolicy
 from pipeline.answering import Answerer, Counters
+from pipeline.bundled_models import MODELS
 from pipeline.delivery import Delivery
 from pipeline.fetch import Fetcher, Unreadable
 from pipeline.kafka import ensure_topics, make_consumer, make_producer, wait_for_broker
@@ -74,6 +75,13 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
                 log.warning("committed offset of %s unknown: %s", tp, exc)
 
 
+def label_policy(settings: Settings) -> LabelPolicy:
+    """The default policy with the bundled model's measured polarity prior (none for MODEL_PATH)."""
+    if settings.model_path is not None:
+        return LabelPolicy()
+    return LabelPolicy(polarity_prior=MODELS[settings.model].polarity_prior)
+
+
 class Service:
     def __init__(self, settings: Settings, engine: AnalysisEngine, telemetry: Telemetry) -> None:
         self.settings = settings
@@ -81,7 +89,11 @@ class Service:
         self.telemetry = telemetry
         self.tracer = telemetry.tracer
         self.analyzer = Analyzer(
-            engine, self.tracer, max_new_tokens=settings.max_new_tokens, attempts=settings.generation_attempts
+            engine,
+            self.tracer,
+            max_new_tokens=settings.max_new_tokens,
+            attempts=settings.generation_attempts,
+            policy=label_policy(settings),
         )
         self.tracker = OffsetTracker()
         self.start_offsets: dict[TopicPartition, int] = {}

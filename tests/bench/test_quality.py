@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 
-from bench.quality import first_of_each, polarity_report, tune
+from bench.quality import document_priors, first_of_each, polarity_report, replay, tune
+from bench.quality import questions_by_language as asked_in
 from bench.real_data import Labelled
+from pipeline.analyzer import LabelPolicy
+from pipeline.bundled_models import DEFAULT_MODEL, MODELS
+
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 
 
 def _row(label: str, polarity: str, language: str = "zh") -> dict[str, object]:
@@ -58,3 +65,31 @@ def test_the_grid_replays_stored_scores_and_ranks_policies_by_accuracy() -> None
     assert best["all"]["accuracy"] == 1.0
     assert best["polarity_calibration"] >= 1.0 and best["neutral_at"] >= 0.75
     assert grid[-1]["all"]["accuracy"] == 0.0
+
+
+def test_the_documents_prior_is_the_mean_of_each_language_s_polarity_shares() -> None:
+    rows = [
+        {"language": "en", "scores": {"polarity": [math.log(0.9), math.log(0.1)]}},
+        {"language": "en", "scores": {"polarity": [math.log(0.3), math.log(0.7)]}},
+        {"language": "zh", "scores": {"polarity": [math.log(2.0), math.log(2.0)]}},  # shares, not raw
+    ]
+    assert document_priors(rows) == {
+        "en": {"positive": 0.6, "negative": 0.4},
+        "zh": {"positive": 0.5, "negative": 0.5},
+    }
+
+
+def test_a_replayed_policy_s_fixed_prior_replaces_the_stored_content_free_one() -> None:
+    scores = {"polarity": [math.log(0.7), math.log(0.3)], "attitude": [math.log(0.9), math.log(0.1)],
+              "doubt": [0.0, 0.0], "expectation": [0.0, 0.0]}  # fmt: skip
+    rows = [{**_row("negative", "?", "en"), "scores": scores}]
+    stored = {"en": {"polarity": [0.5, 0.5], "attitude": [0.5, 0.5]}}
+    assert replay(rows, asked_in(["en"]), stored, LabelPolicy())[0]["polarity"] == "positive"
+    leaning = LabelPolicy(polarity_prior={"en": {"positive": 0.8, "negative": 0.2}})
+    assert replay(rows, asked_in(["en"]), stored, leaning)[0]["polarity"] == "negative"
+
+
+def test_the_default_model_s_prior_is_what_its_committed_development_run_measures() -> None:
+    dev = json.loads((RESULTS / "quality-dev-cpu-0.5b-sides.json").read_text(encoding="utf-8"))
+    assert dev["split"] == "dev"
+    assert MODELS[DEFAULT_MODEL].polarity_prior == document_priors(dev["rows"]["labels"])

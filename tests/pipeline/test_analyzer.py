@@ -136,3 +136,27 @@ async def test_only_the_side_questions_the_policy_combines_are_asked() -> None:
         await analyzer.label(DocumentKind.FILING, Language.EN, "The service was fine.")
         # attitude, doubt and expectation, and each side question once
         assert engine.scored - before == 3 + expected, sides
+
+
+def test_a_fixed_polarity_prior_is_read_by_value_for_its_language_only() -> None:
+    asked = {q.name: q for q in questions(DocumentKind.FILING, Language.EN, "x")}
+    policy = LabelPolicy(polarity_prior={"en": {"negative": 0.3, "positive": 0.7}})
+    assert policy.fixed_prior("en", asked["polarity"]) == [0.7, 0.3]  # in the question's option order
+    assert policy.fixed_prior("zh", asked["polarity"]) is None
+    assert policy.fixed_prior("en", asked["attitude"]) is None
+
+
+async def test_a_fixed_polarity_prior_replaces_the_content_free_one_which_is_then_not_measured() -> None:
+    measuring, fixed = ScriptedEngine(), ScriptedEngine()
+    plain = Analyzer(measuring, trace.NoOpTracer(), max_new_tokens=256, attempts=2)
+    policy = LabelPolicy(polarity_prior={"en": {"positive": 0.7, "negative": 0.3}})
+    pinned = Analyzer(fixed, trace.NoOpTracer(), max_new_tokens=256, attempts=2, policy=policy)
+    await plain.prepare()
+    await pinned.prepare()
+    assert measuring.scored - fixed.scored == len(CONTENT_FREE)  # English polarity: not asked
+    text = "The service was fine."
+    assert (await pinned.scores(DocumentKind.FILING, Language.EN, text)).priors["polarity"] == [0.7, 0.3]
+    zh = "服务还可以。"
+    assert (await pinned.scores(DocumentKind.FILING, Language.ZH, zh)).priors == (
+        await plain.scores(DocumentKind.FILING, Language.ZH, zh)
+    ).priors

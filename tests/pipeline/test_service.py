@@ -20,10 +20,11 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
+from pipeline.bundled_models import MODELS
 from pipeline.client import Sent, collect_answers, publish_documents, publish_raw
 from pipeline.http import serve_status
 from pipeline.kafka import ensure_topics, make_consumer
-from pipeline.service import Service, running
+from pipeline.service import Service, label_policy, running
 from pipeline.settings import Settings
 from pipeline.telemetry import Telemetry
 from schemas import AnalysisEvent, DeadLetter, DeadLetterReason, DocumentEvent, DocumentKind, Language
@@ -364,3 +365,14 @@ async def test_the_startup_heap_is_frozen_before_consuming(settings: Settings, t
         while not service.is_ready:  # noqa: ASYNC110 (a plain attribute, no event to wait on)
             await asyncio.sleep(0.01)
         assert gc.get_freeze_count() > 10_000  # this process has torch and the whole suite loaded
+
+
+def test_the_label_policy_carries_the_bundled_model_s_prior_and_none_for_a_model_path(
+    settings: Settings, tmp_path: Path
+) -> None:
+    for name, model in MODELS.items():
+        bundled = Settings(**{**settings.model_dump(), "model": name, "model_path": None})
+        assert label_policy(bundled).polarity_prior == model.polarity_prior
+    assert any(m.polarity_prior for m in MODELS.values())
+    elsewhere = Settings(**{**settings.model_dump(), "model_path": tmp_path})
+    assert label_policy(elsewhere).polarity_prior == {}
