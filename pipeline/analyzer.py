@@ -84,6 +84,7 @@ class AnalysisOutcome:
     queued_s: float  # consume -> first forward of the first attempt
     ttft_s: float  # consume -> first token of the first attempt
     batch_size: int  # the largest engine step its sequences ran in
+    tpot_s: float | None  # decode seconds per token after the first, first attempt; None: one token
 
 
 class AnalysisFailed(Exception):
@@ -295,6 +296,7 @@ class Analyzer:
         screened = screen(document.text, document.language)
         prompt_tokens = output_tokens = batch_size = 0
         first: tuple[float, float] | None = None
+        tpot: float | None = None
         raw: str | None = None
         with self.tracer.start_as_current_span("analyze") as span:
             span.set_attributes(
@@ -326,6 +328,8 @@ class Analyzer:
                 if first is None:
                     lag = submitted - consumed_at
                     first = (lag + result.queued_s, lag + result.ttft_s)
+                    if result.output_tokens > 1:
+                        tpot = (result.total_s - result.ttft_s) / (result.output_tokens - 1)
                 raw = result.text
                 try:
                     narrative = parse_narrative(raw, document.language, screened.text)
@@ -346,7 +350,9 @@ class Analyzer:
                     }
                 )
                 analysis = self.assemble(document, narrative, labels, screened.excerpts)
-                return AnalysisOutcome(analysis, attempt, prompt_tokens, output_tokens, *first, batch_size)
+                return AnalysisOutcome(
+                    analysis, attempt, prompt_tokens, output_tokens, *first, batch_size, tpot
+                )
         raise AssertionError("unreachable: attempts >= 1")  # pragma: no cover
 
     @staticmethod

@@ -134,6 +134,10 @@ class Answerer:
         outcome = await self.analyzer.analyze(document, consumed_at)
         self.metrics.ttft.record(outcome.ttft_s, {"kind": document.kind.value})
         self.metrics.batch_size.record(outcome.batch_size)
+        if outcome.tpot_s is not None:
+            self.metrics.tpot.record(outcome.tpot_s, {"kind": document.kind.value})
+        self.metrics.tokens.add(outcome.prompt_tokens, {"type": "input"})
+        self.metrics.tokens.add(outcome.output_tokens, {"type": "output"})
         return AnalysisEvent(
             event_id=document.event_id,
             document_id=document.document_id,

@@ -1,4 +1,5 @@
-"""The service's HTTP server: `GET /api/status` (JSON), `GET /healthz`, `GET /metrics` (Prometheus),
+"""The service's HTTP server: `GET /api/status` (JSON), the probes `GET /livez` and `GET /readyz`
+(`/healthz`: readiness), `GET /metrics` (Prometheus),
 `GET /openapi.json`, and, given the front end's router, the pages and their API (`pipeline.front`).
 
 Binds to 127.0.0.1 unless configured; beyond loopback only with a token (`pipeline.http_guard`
@@ -59,11 +60,22 @@ def create_app(
     async def api_status() -> dict[str, Any]:
         return status()
 
-    # Open to anyone who reaches the port (kubelet probes carry no token): it says ok or starting.
-    @app.get("/healthz", responses=guard.responses(authenticated=False))
-    async def healthz() -> JSONResponse:
+    # The probes are open to anyone who reaches the port (kubelet probes carry no token) and say
+    # one word. Liveness: the worker's event loop answers (a restart would help); readiness: it
+    # consumes (not while waiting for a broker, starting or draining, which a restart would not
+    # help). /healthz is readiness under its older name (the image's HEALTHCHECK).
+    open_route = guard.responses(authenticated=False)
+
+    @app.get("/livez", responses=open_route)
+    async def livez() -> JSONResponse:
+        return JSONResponse({"status": "alive"})
+
+    async def readiness() -> JSONResponse:
         ready = status().get("status") == "ready"
         return JSONResponse({"status": "ok" if ready else "starting"}, status_code=200 if ready else 503)
+
+    app.get("/readyz", responses=open_route)(readiness)
+    app.get("/healthz", responses=open_route)(readiness)
 
     guard.protect(app)
     return app

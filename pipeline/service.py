@@ -149,6 +149,10 @@ class Service:
             kv_used_bytes=stats.kv_used_bytes,
             kv_total_bytes=stats.kv_total_bytes,
             lag={(tp.topic, tp.partition): lag for tp, lag in self.lag().items()},
+            generated_tokens=stats.num_generated_tokens,
+            prefix_hit_tokens=stats.prefix_hit_tokens,
+            preemptions=stats.num_preemptions,
+            steps=stats.num_steps,
         )
 
     @property

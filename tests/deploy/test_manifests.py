@@ -192,6 +192,8 @@ def test_required_kinds_are_present_with_their_api_versions() -> None:
         "ScaledObject": "keda.sh/v1alpha1",
         "TriggerAuthentication": "keda.sh/v1alpha1",
         "NetworkPolicy": "networking.k8s.io/v1",
+        "Service": "v1",
+        "PodMonitor": "monitoring.coreos.com/v1",
     }
     for kind, api_version in expected.items():
         assert _all(kind), f"no {kind} in deploy/k8s"
@@ -224,6 +226,22 @@ def test_selectors_match_the_pod_labels() -> None:
     assert pdb_selector, "empty PodDisruptionBudget selector (it would cover every pod of the namespace)"
     assert pdb_selector.items() <= pod_labels.items(), "the PodDisruptionBudget selects no worker pod"
     assert pdb["spec"].get("maxUnavailable") == 1
+
+
+def test_the_service_and_the_pod_monitor_reach_the_workers_http_port_with_the_token() -> None:
+    pod_labels = _one("Deployment")["spec"]["template"]["metadata"]["labels"]
+    port_names = {p["name"] for p in _container()["ports"]}
+    service = _one("Service")["spec"]
+    assert service["selector"].items() <= pod_labels.items()
+    assert {p["targetPort"] for p in service["ports"]} <= port_names
+    monitor = _one("PodMonitor")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert pod_labels[monitor["spec"]["jobLabel"]] == "deepanalyze"  # the job the dashboard and alerts query
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] in port_names and endpoint["path"] == "/metrics"
+    token = endpoint["authorization"]["credentials"]
+    http_secret = next(s for s in _all("Secret") if s["metadata"]["name"] == token["name"])
+    assert token["key"] in http_secret["stringData"] and token["key"] == "HTTP_TOKEN"
 
 
 def test_env_names_are_real_settings() -> None:
@@ -316,11 +334,12 @@ def test_probes_and_metrics_target_the_container_port() -> None:
         "the status server must listen beyond loopback"
     )
 
-    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
-        if probe == "startupProbe" and probe not in container:
-            continue
+    # Liveness is not readiness: a worker waiting for its broker is alive (restarting it would not
+    # help) but not ready; the startup probe waits for the model on the liveness path.
+    paths = {"readinessProbe": "/readyz", "livenessProbe": "/livez", "startupProbe": "/livez"}
+    for probe, path in paths.items():
         get = container[probe]["httpGet"]
-        assert get["path"] == "/healthz", probe
+        assert get["path"] == path, probe
         port = ports.get(get["port"], get["port"])  # a name resolves to its number
         assert port == container_port, (
             f"{probe} probes port {get['port']}, the container listens on {container_port}"

@@ -30,6 +30,7 @@ class ScriptedEngine:
         self._model_id = model_id
         self.calls = 0
         self.scored = 0  # label questions answered
+        self.generated = 0  # tokens of every answer so far
         self.active = 0
         self.max_concurrent = 0
         self.prepared: list[str] = []  # schemas compiled ahead, in order
@@ -74,6 +75,7 @@ class ScriptedEngine:
                 "rationale": "脚本给出的理由" if chinese else "scripted",
             }
             text = json.dumps(analysis)
+        self.generated += len(text) // 4 + 1
         return GenerationResult(
             text=text,
             token_ids=list(range(len(text) // 4 + 1)),
@@ -108,7 +110,7 @@ class ScriptedEngine:
             num_running=0,
             num_steps=self.calls,
             num_finished=self.calls,
-            num_generated_tokens=0,
+            num_generated_tokens=self.generated,
             num_preemptions=0,
             mean_batch_size=1.0 if self.calls else 0.0,
             largest_batch=1 if self.calls else 0,

@@ -210,7 +210,7 @@ async def test_the_openapi_schema_holds_under_schemathesis(settings: Settings, t
         out, _ = await asyncio.wait_for(proc.communicate(), 600)
     report = out.decode(errors="replace")
     assert proc.returncode == 0, report[-4000:]
-    assert "4 selected / 5 total" in report  # all but the stream: analyze, limits, status, healthz
+    assert "6 selected / 7 total" in report  # all but the stream: analyze, limits, status, the 3 probes
 
 
 async def test_two_requesters_each_get_their_own_analysis_across_a_re_created_topic(

@@ -36,6 +36,8 @@ async def test_status_reflects_the_environment(
     async with serve_status(service.status, "127.0.0.1", 0) as port, httpx.AsyncClient() as client:
         status = (await client.get(f"http://127.0.0.1:{port}/api/status")).json()
         health = await client.get(f"http://127.0.0.1:{port}/healthz")
+        ready = await client.get(f"http://127.0.0.1:{port}/readyz")
+        live = await client.get(f"http://127.0.0.1:{port}/livez")
     assert status["dynamic_batching"] is (dynamic == "true")
     assert status["kv_compression"] is (kv == "true")
     assert status["max_batch_size"] == int(size)
@@ -43,7 +45,8 @@ async def test_status_reflects_the_environment(
     assert {"processed", "failed", "dead_lettered"} <= status.keys()
     assert status["kv_pool"]["total_bytes"] == 1024
     assert "batch_occupancy" in status["engine"]
-    assert health.status_code == 503  # not consuming yet
+    assert health.status_code == ready.status_code == 503  # not consuming yet: not ready...
+    assert live.status_code == 200 and live.json() == {"status": "alive"}  # ...but alive
     assert status["grammars_ready"] is False
 
 
@@ -206,9 +209,12 @@ async def test_with_a_token_every_route_but_healthz_needs_the_bearer_token() -> 
         analyze = await client.post("/api/analyze", json={"text": "hello"})
         assert events.status_code == analyze.status_code == 401
         assert (await client.get("/healthz")).json() == {"status": "ok"}  # kubelet probes carry no token
+        assert (await client.get("/readyz")).json() == {"status": "ok"}
+        assert (await client.get("/livez")).json() == {"status": "alive"}
         schema = (await client.get("/openapi.json", headers={"Authorization": f"Bearer {TOKEN}"})).json()
     assert {"400", "401", "413"} <= schema["paths"]["/api/status"]["get"]["responses"].keys()
-    assert "401" not in schema["paths"]["/healthz"]["get"]["responses"]
+    for probe in ("/healthz", "/readyz", "/livez"):
+        assert "401" not in schema["paths"][probe]["get"]["responses"]
 
 
 async def test_a_browser_logs_in_with_the_token_and_its_cookie_opens_the_pages_and_the_stream() -> None:

@@ -28,6 +28,7 @@ from pipeline.service import Service, label_policy, running
 from pipeline.settings import Settings
 from pipeline.telemetry import Telemetry
 from schemas import AnalysisEvent, DeadLetter, DeadLetterReason, DocumentEvent, DocumentKind, Language
+from tests.deploy.promql import SCRAPE_SERIES, TARGET_LABELS, queries, reads
 from tests.pipeline.fakes import ScriptedEngine
 
 pytestmark = pytest.mark.integration
@@ -326,6 +327,13 @@ async def test_metrics_endpoint_exposes_latency_batches_queue_kv_lag_and_dead_le
         response = await client.get(f"http://127.0.0.1:{port}/metrics")
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
+    families = list(text_string_to_metric_families(response.text))
+    assert all(f.documentation for f in families), [f.name for f in families if not f.documentation]
+    labels_of: dict[str, set[str]] = defaultdict(set)
+    for family in families:
+        for sample in family.samples:
+            labels_of[sample.name] |= set(sample.labels)
+    assert not any(label.startswith("otel_") for labels in labels_of.values() for label in labels)
     samples = {
         (
             sample.name,
@@ -353,6 +361,22 @@ async def test_metrics_endpoint_exposes_latency_batches_queue_kv_lag_and_dead_le
     lags = {labels: v for (name, labels), v in samples.items() if name == "deepanalyze_consumer_lag"}
     assert len(lags) == len(settings.input_topics) * settings.topic_partitions
     assert all(v == 0 for v in lags.values())  # everything answered and committed
+    # Serving metrics as counters and histograms, like vLLM's, and the process's own.
+    assert (
+        value("deepanalyze_tokens_total", type="input") > value("deepanalyze_tokens_total", type="output") > 0
+    )
+    assert value("deepanalyze_time_per_output_token_seconds_count", kind="complaint") >= 1
+    assert value("deepanalyze_engine_generated_tokens_total") > 0
+    for total in ("prefix_cache_hit_tokens", "preemptions", "steps"):
+        assert f"deepanalyze_engine_{total}_total" in names
+    assert {"process_cpu_seconds_total", "process_resident_memory_bytes"} <= names
+    # Every series and label the Grafana dashboard and the alert rules query is in this scrape.
+    for where, expr in queries().items():
+        for read in reads(expr):
+            if read.metric in SCRAPE_SERIES:
+                continue
+            assert read.metric in labels_of, f"{where}: no series {read.metric}"
+            assert read.labels - TARGET_LABELS <= labels_of[read.metric], f"{where}: {read}"
 
 
 async def test_the_startup_heap_is_frozen_before_consuming(settings: Settings, telemetry: Telemetry) -> None:
