@@ -301,10 +301,6 @@ class Analyzer:
         with self.tracer.start_as_current_span("analyze") as span:
             span.set_attributes(
                 {
-                    "gen_ai.operation.name": "chat",
-                    "gen_ai.system": "deepanalyze",
-                    "gen_ai.request.model": self.engine.model_id,
-                    "gen_ai.request.max_tokens": self.max_new_tokens,
                     "deepanalyze.document.kind": document.kind.value,
                     "deepanalyze.document.language": document.language.value,
                     "deepanalyze.document.chars": len(document.text),
@@ -342,13 +338,7 @@ class Analyzer:
                         ) from exc
                     prompt = render_repair(prompt, raw, str(exc))
                     continue
-                span.set_attributes(
-                    {
-                        "gen_ai.usage.input_tokens": prompt_tokens,
-                        "gen_ai.usage.output_tokens": output_tokens,
-                        "deepanalyze.attempts": attempt,
-                    }
-                )
+                span.set_attribute("deepanalyze.attempts", attempt)
                 analysis = self.assemble(document, narrative, labels, screened.excerpts)
                 return AnalysisOutcome(
                     analysis, attempt, prompt_tokens, output_tokens, *first, batch_size, tpot
@@ -394,5 +384,7 @@ class Analyzer:
             result = await self.engine.generate(ids, params)
         except EngineError as exc:
             raise AnalysisFailed(DeadLetterReason.GENERATION_FAILED, str(exc), None, attempt) from exc
-        record_generation(self.tracer, self.engine.model_id, submitted_ns, result, attempt)
+        record_generation(
+            self.tracer, self.engine.model_id, submitted_ns, result, attempt, params.max_new_tokens
+        )
         return result, submitted

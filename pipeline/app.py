@@ -86,7 +86,7 @@ async def _serve(
     async with engine:
         service = Service(settings, engine, telemetry)
         hub = AnswerHub(settings)
-        front = Front(settings, hub)
+        front = Front(settings, hub, tracer=telemetry.tracer)
         status = serve_status(
             service.status,
             settings.status_host,

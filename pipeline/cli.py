@@ -92,9 +92,16 @@ async def _publish(settings: Settings, paths: list[Path], options: PublishOption
             + "|".join(k.value for k in DocumentKind)
             + ", or --topic for the topic it belongs on"
         )
-    sent = await publish_documents(
-        settings, documents, topic=options.topic, key=options.key, headers=options.headers
-    )
+    from pipeline.telemetry import setup_telemetry
+
+    telemetry = setup_telemetry(settings)  # exports the documents' `send` spans where OTLP is set up
+    try:
+        sent = await publish_documents(
+            settings, documents, topic=options.topic, key=options.key, headers=options.headers,
+            tracer=telemetry.tracer,
+        )  # fmt: skip
+    finally:
+        await asyncio.to_thread(telemetry.shutdown)
     for s in sent:
         print(f"{s.document_id}\t{s.topic}[{s.partition}]@{s.offset}\tevent_id={s.event_id}")
 

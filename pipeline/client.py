@@ -16,11 +16,13 @@ from pathlib import Path
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import RecordMetadata, TopicPartition
+from opentelemetry import trace
 from pydantic import ValidationError
 
 from pipeline.codec import encode_document
 from pipeline.kafka import make_consumer, make_producer, partitions_of
 from pipeline.settings import Settings
+from pipeline.telemetry import TRACER_NAME, sent, start_send
 from schemas import AnalysisEvent, DeadLetter, DocumentEvent, DocumentKind, event_id_for
 
 Answer = AnalysisEvent | DeadLetter
@@ -113,16 +115,22 @@ async def send_document(
     topic: str | None = None,
     key: bytes | None = None,
     headers: Sequence[tuple[str, bytes]] = (),
+    tracer: trace.Tracer | None = None,
 ) -> Sent:
     """Publishes one document to `topic`, by default its kind's input topic, keyed by `key`, by
-    default its document id, with `headers` after the document's own; returns where the broker put it."""
+    default its document id, with `headers` after the document's own and the trace context (a
+    `send <topic>` PRODUCER span under the current one); returns where the broker put it."""
     topic = topic or settings.topic_for(document.kind or DocumentKind.COMPLAINT)
     value, own_headers = encode_document(document)
     key = key if key is not None else (document.document_id or "").encode("utf-8") or None
     now_ms = int(time.time() * 1000)
-    meta = await producer.send_and_wait(
-        topic, value, key=key, headers=[*own_headers, *headers], timestamp_ms=now_ms
-    )
+    tracer = tracer or trace.get_tracer(TRACER_NAME)  # by default the process's provider, if any
+    span, context_headers = start_send(tracer, topic, key, value, settings.kafka_bootstrap_servers)
+    with trace.use_span(span, end_on_exit=True):
+        meta = await producer.send_and_wait(
+            topic, value, key=key, headers=[*own_headers, *context_headers, *headers], timestamp_ms=now_ms
+        )
+        sent(span, meta.partition, meta.offset)
     return Sent.of(document.document_id or f"{topic}/{meta.partition}/{meta.offset}", meta, value, now_ms)
 
 
@@ -133,13 +141,16 @@ async def publish_documents(
     topic: str | None = None,
     key: bytes | None = None,
     headers: Sequence[tuple[str, bytes]] = (),
+    tracer: trace.Tracer | None = None,
 ) -> list[Sent]:
     """Publishes documents one after another (see `send_document` for the options)."""
     producer = make_producer(settings)
     await producer.start()
     try:
         return [
-            await send_document(producer, settings, document, topic=topic, key=key, headers=headers)
+            await send_document(
+                producer, settings, document, topic=topic, key=key, headers=headers, tracer=tracer
+            )
             for document in documents
         ]
     finally:

@@ -21,6 +21,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from fastapi import APIRouter, Header, Query
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from opentelemetry import trace
 from pydantic import BaseModel, Field
 
 from pipeline.answers import AnswerHub, Delivered
@@ -78,8 +79,15 @@ def _error(status: int, error: str, detail: str, **extra: str | None) -> JSONRes
 class Front:
     """The producer the pages publish with (started on first use) and the answer hub."""
 
-    def __init__(self, settings: Settings, hub: AnswerHub, send_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        hub: AnswerHub,
+        send_timeout_s: float = 10.0,
+        tracer: trace.Tracer | None = None,  # the worker's: a page's document starts its trace
+    ) -> None:
         self.settings, self.hub, self.send_timeout_s = settings, hub, send_timeout_s
+        self.tracer = tracer
         self._producer: AIOKafkaProducer | None = None
         self._lock = asyncio.Lock()
 
@@ -105,7 +113,9 @@ class Front:
             source_system="web",
         )
         producer = await self.producer()
-        sent = await asyncio.wait_for(send_document(producer, self.settings, document), self.send_timeout_s)
+        sent = await asyncio.wait_for(
+            send_document(producer, self.settings, document, tracer=self.tracer), self.send_timeout_s
+        )
         return Accepted(event_id=sent.event_id, document_id=sent.document_id, topic=sent.topic,
                         partition=sent.partition, offset=sent.offset)  # fmt: skip
 

@@ -1,4 +1,5 @@
-"""Logging set-up for the CLI, and the filter that keeps a broker outage from flooding the log.
+"""Logging set-up for the CLI: the trace and span ids of the current span on each line, and the
+filter that keeps a broker outage from flooding the log.
 
 aiokafka logs every failed connection attempt at ERROR, several times a second per client and
 node: with the broker down, a worker wrote ~7,900 such lines in 80 s, burying everything else.
@@ -16,7 +17,21 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+from opentelemetry import trace
+
+FORMAT = "%(asctime)s %(levelname)s %(name)s%(trace)s: %(message)s"
+
+
+class TraceContextFilter(logging.Filter):
+    """Puts the current span's ids on each record: `record.trace` is " [trace_id=… span_id=…]"
+    inside a span (W3C hex, as Jaeger, Tempo and the answer events' `trace_id` write them), else ""."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        context = trace.get_current_span().get_span_context()
+        record.trace = (
+            f" [trace_id={context.trace_id:032x} span_id={context.span_id:016x}]" if context.is_valid else ""
+        )
+        return True
 
 
 @dataclass
@@ -66,3 +81,4 @@ def setup_logging(level: str) -> None:
     logging.basicConfig(level=level, format=FORMAT)
     for handler in logging.getLogger().handlers:
         handler.addFilter(RepeatFilter())
+        handler.addFilter(TraceContextFilter())

@@ -1,8 +1,7 @@
 """Publishing answers: an analysis event or a dead letter, acks=all, bounded retries, a span each.
 
-The `publish <topic>` PRODUCER span follows the OpenTelemetry messaging conventions; the
-aiokafka instrumentation's own send span (which carries the trace context in the record's
-headers) hangs under it.
+The `send <topic>` PRODUCER span follows the OpenTelemetry messaging conventions, and its context
+goes into the record's `traceparent` header, so a consumer downstream continues the trace.
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ from tenacity import (
 )
 
 from pipeline.settings import Settings
+from pipeline.telemetry import sent, start_send
 from schemas import AnalysisEvent, DeadLetter
 
 JSON_HEADERS = [("content-type", b"application/json")]
@@ -84,19 +84,11 @@ class Publisher:
         self.tracer = tracer
 
     async def publish(self, answer: AnalysisEvent | DeadLetter) -> None:
-        topic, key_bytes, value = answer_record(answer, self.settings)
-        key = key_bytes.decode("utf-8", errors="replace")  # a source key may be any bytes
-        attributes: dict[str, str | int] = {
-            "messaging.system": "kafka",
-            "messaging.operation.type": "send",
-            "messaging.operation.name": "publish",
-            "messaging.destination.name": topic,
-            "messaging.kafka.message.key": key,
-            "messaging.message.body.size": len(value),
-        }
-        with self.tracer.start_as_current_span(
-            f"publish {topic}", kind=trace.SpanKind.PRODUCER, attributes=attributes
-        ) as span:
+        topic, key, value = answer_record(answer, self.settings)
+        span, context_headers = start_send(
+            self.tracer, topic, key, value, self.settings.kafka_bootstrap_servers
+        )
+        with trace.use_span(span, end_on_exit=True):
             try:
                 async for attempt in AsyncRetrying(
                     retry=retry_if_exception_type(KafkaError) & retry_if_not_exception_type(RECORD_ERRORS),
@@ -105,8 +97,8 @@ class Publisher:
                     reraise=True,
                 ):
                     with attempt:
-                        sent = await self.producer.send_and_wait(
-                            topic, value, key=key_bytes, headers=list(JSON_HEADERS)
+                        meta = await self.producer.send_and_wait(
+                            topic, value, key=key, headers=[*JSON_HEADERS, *context_headers]
                         )
             except RECORD_ERRORS as exc:
                 span.set_status(trace.StatusCode.ERROR, type(exc).__name__)
@@ -115,5 +107,4 @@ class Publisher:
                 ) from exc
             except KafkaError as exc:
                 raise PublishError(f"could not publish {answer.event_id} to {topic}: {exc}") from exc
-            span.set_attribute("messaging.destination.partition.id", str(sent.partition))
-            span.set_attribute("messaging.kafka.offset", sent.offset)
+            sent(span, meta.partition, meta.offset)

@@ -133,9 +133,14 @@ class Settings(BaseSettings, EngineOptions):
     )
     http_keep_alive_s: int = Field(default=5, ge=1, le=600, description="An idle connection is closed after.")
 
-    # Telemetry (OTEL_EXPORTER_OTLP_ENDPOINT is read by the OpenTelemetry exporter itself)
+    # Telemetry, by the OpenTelemetry SDK's variables: traces are exported when either endpoint is
+    # set (the exporter itself reads them, and OTEL_EXPORTER_OTLP_HEADERS, ..._TIMEOUT, ...), over the
+    # protocol named (the traces' own variable first).
     otel_service_name: str = "deepanalyze"
     otel_exporter_otlp_endpoint: str | None = None
+    otel_exporter_otlp_traces_endpoint: str | None = None
+    otel_exporter_otlp_protocol: Literal["http/protobuf", "grpc"] = "http/protobuf"
+    otel_exporter_otlp_traces_protocol: Literal["http/protobuf", "grpc"] | None = None
 
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 

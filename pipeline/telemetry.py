@@ -1,11 +1,11 @@
-"""OpenTelemetry wiring: tracer provider, aiokafka instrumentation, trace-context helpers.
+"""OpenTelemetry wiring: the tracer provider and its exporter, and the spans of the data path by
+the semantic conventions (messaging, gen AI).
 
-The aiokafka instrumentation patches the client classes process-wide, so it is applied once per
-process with the first provider given; spans of ours come from the same provider. Only its
-producer side is kept (the `send` span that puts the trace context into the record's headers):
-its consumer side decodes those headers strictly inside `getmany`, so one record whose
-`traceparent` is not UTF-8 made every fetch raise, froze the partition and dropped the records
-fetched with it. The worker's own `process` span reads the context tolerantly instead.
+Per record one CONSUMER span (`process <topic>`, continuing the producer's `traceparent`, read
+tolerantly: a header that is not UTF-8 must not freeze a partition) and per answer one PRODUCER
+span (`send <topic>`, whose context goes into the record's own `traceparent`). Both are ours: the
+aiokafka instrumentation added a root trace per poll, a second CONSUMER and a second PRODUCER span
+off the conventions, and decoded headers strictly inside `getmany`; it is not used.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from opentelemetry.context import Context
 from opentelemetry.propagators.textmap import Getter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 
 from engine import GenerationResult
 from pipeline.codec import RawRecord
@@ -30,6 +30,7 @@ from pipeline.settings import Settings
 log = logging.getLogger(__name__)
 
 TRACER_NAME = "deepanalyze"
+PROVIDER = "deepanalyze"  # gen_ai.provider.name: the in-process engine serves the model
 
 KafkaHeaders = Iterable[tuple[str, bytes | None]]
 
@@ -45,28 +46,77 @@ class Telemetry:
         self.provider.shutdown()
 
 
+def span_exporter(settings: Settings) -> SpanExporter | None:
+    """The OTLP exporter the OpenTelemetry variables ask for: none without an endpoint; gRPC or
+    HTTP/protobuf by OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, else OTEL_EXPORTER_OTLP_PROTOCOL. The
+    exporter reads the endpoint (the traces' own first), headers and timeout from the environment."""
+    if not (settings.otel_exporter_otlp_traces_endpoint or settings.otel_exporter_otlp_endpoint):
+        return None
+    protocol = settings.otel_exporter_otlp_traces_protocol or settings.otel_exporter_otlp_protocol
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Grpc
+
+        return Grpc()
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
+
+    return Http()
+
+
 def build_provider(settings: Settings) -> TracerProvider:
     provider = TracerProvider(resource=Resource.create({"service.name": settings.otel_service_name}))
-    if settings.otel_exporter_otlp_endpoint:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-        log.info("exporting traces over OTLP to %s", settings.otel_exporter_otlp_endpoint)
+    if (exporter := span_exporter(settings)) is not None:
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+        endpoint = settings.otel_exporter_otlp_traces_endpoint or settings.otel_exporter_otlp_endpoint
+        log.info("exporting traces over OTLP (%s) to %s", type(exporter).__module__.split(".")[-2], endpoint)
     return provider
 
 
 def setup_telemetry(settings: Settings, provider: TracerProvider | None = None) -> Telemetry:
-    from aiokafka import AIOKafkaConsumer
-    from opentelemetry.instrumentation.aiokafka import AIOKafkaInstrumentor
-    from opentelemetry.instrumentation.utils import unwrap
-
     provider = provider or build_provider(settings)
-    instrumentor = AIOKafkaInstrumentor()
-    if not instrumentor.is_instrumented_by_opentelemetry:
-        instrumentor.instrument(tracer_provider=provider)
-        unwrap(AIOKafkaConsumer, "getone")
-        unwrap(AIOKafkaConsumer, "getmany")
     return Telemetry(provider, provider.get_tracer(TRACER_NAME))
+
+
+def server_of(bootstrap_servers: str) -> tuple[str, int]:
+    """`server.address` and `server.port` of the first bootstrap server ("[::1]:9092" -> ::1, 9092)."""
+    host, _, port = bootstrap_servers.split(",")[0].strip().rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def start_send(
+    tracer: trace.Tracer,
+    topic: str,
+    key: bytes | None,
+    value: bytes | None,
+    bootstrap_servers: str,
+    context: Context | None = None,
+) -> tuple[trace.Span, list[tuple[str, bytes]]]:
+    """The PRODUCER span of one record sent to `topic` (a child of `context`, by default the
+    current one), started, and the trace-context headers to put on the record so that its
+    consumers continue the trace from this span. The caller ends it (`sent` first, on success)."""
+    address, port = server_of(bootstrap_servers)
+    attributes: dict[str, str | int] = {
+        "messaging.system": "kafka",
+        "messaging.operation.type": "send",
+        "messaging.operation.name": "send",
+        "messaging.destination.name": topic,
+        "messaging.message.body.size": len(value or b""),
+        "server.address": address,
+        "server.port": port,
+    }
+    if key is not None:
+        attributes["messaging.kafka.message.key"] = key.decode("utf-8", errors="replace")
+    span = tracer.start_span(
+        f"send {topic}", context=context, kind=trace.SpanKind.PRODUCER, attributes=attributes
+    )
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=trace.set_span_in_context(span, context))
+    return span, [(name, text.encode("ascii")) for name, text in carrier.items()]
+
+
+def sent(span: trace.Span, partition: int, offset: int) -> None:
+    """Where the broker put the record of a `start_send` span."""
+    span.set_attribute("messaging.destination.partition.id", str(partition))
+    span.set_attribute("messaging.kafka.offset", offset)
 
 
 class _HeaderGetter(Getter[KafkaHeaders]):
@@ -89,11 +139,17 @@ def current_trace_id() -> str | None:
 
 
 def record_generation(
-    tracer: trace.Tracer, model_id: str, submitted_ns: int, result: GenerationResult, attempt: int
+    tracer: trace.Tracer,
+    model_id: str,
+    submitted_ns: int,
+    result: GenerationResult,
+    attempt: int,
+    max_tokens: int,
 ) -> None:
     """One generation's spans, laid out after the fact from the engine's own clock: `queue_wait`,
-    then `chat <model>` (a client span with the `gen_ai.*` attributes) split into `prefill` (to
-    the first token) and `decode`. The current span is their parent."""
+    then `chat <model>` (a client span with the `gen_ai.*` attributes, token usage on it alone)
+    split into `prefill` (to the first token) and `decode`. The current span is their parent.
+    Time to first token is a metric (`deepanalyze_time_to_first_token_seconds`), not an attribute."""
     scheduled_ns = submitted_ns + int(result.queued_s * 1e9)
     first_ns = submitted_ns + int(result.ttft_s * 1e9)
     finished_ns = submitted_ns + int(result.total_s * 1e9)
@@ -107,23 +163,20 @@ def record_generation(
         start_time=scheduled_ns,
         attributes={
             "gen_ai.operation.name": "chat",
+            "gen_ai.provider.name": PROVIDER,
             "gen_ai.request.model": model_id,
+            "gen_ai.response.model": model_id,
+            "gen_ai.request.max_tokens": max_tokens,
             "gen_ai.usage.input_tokens": result.prompt_tokens,
             "gen_ai.usage.output_tokens": result.output_tokens,
             "gen_ai.response.finish_reasons": [result.finish_reason],
-            "gen_ai.server.time_to_first_token": result.ttft_s,
             "deepanalyze.engine.batch_size": result.batch_size,
             "deepanalyze.attempt": attempt,
         },
     )
     inside = trace.set_span_in_context(generate)
-    phases = (
-        ("prefill", scheduled_ns, first_ns, {"gen_ai.usage.input_tokens": result.prompt_tokens}),
-        ("decode", first_ns, finished_ns, {"gen_ai.usage.output_tokens": result.output_tokens}),
-    )
-    for name, start, end, usage in phases:
-        attributes: dict[str, str | int] = {**usage, "gen_ai.request.model": model_id}
-        tracer.start_span(name, context=inside, start_time=start, attributes=attributes).end(end_time=end)
+    for name, start, end in (("prefill", scheduled_ns, first_ns), ("decode", first_ns, finished_ns)):
+        tracer.start_span(name, context=inside, start_time=start).end(end_time=end)
     generate.end(end_time=finished_ns)
 
 

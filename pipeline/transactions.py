@@ -26,10 +26,12 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError, ProducerFenced
 from aiokafka.structs import TopicPartition
 from opentelemetry import trace
+from opentelemetry.context import Context, get_current
 
 from pipeline.kafka import make_producer
 from pipeline.publish import JSON_HEADERS, RECORD_ERRORS, PublishError, answer_record
 from pipeline.settings import Settings
+from pipeline.telemetry import sent, start_send
 from schemas import AnalysisEvent, DeadLetter
 
 log = logging.getLogger(__name__)
@@ -49,6 +51,7 @@ class _Staged:
     offset: int
     answer: Answer
     replacement: Replacement
+    context: Context  # the record's processing, which the answer's send span continues
 
 
 def make_transactional_producer(settings: Settings, transactional_id: str) -> AIOKafkaProducer:
@@ -142,7 +145,7 @@ class TransactionalOutbox:
         partition revoked meanwhile is dropped: its next owner answers the record again."""
         answer_record(answer, self.settings)  # the size check, before anything waits on it
         if tp in self._owned:
-            self._staged.setdefault(tp, []).append(_Staged(offset, answer, replacement))
+            self._staged.setdefault(tp, []).append(_Staged(offset, answer, replacement, get_current()))
 
     async def commit(self, offsets: dict[TopicPartition, int]) -> dict[TopicPartition, int]:
         """For each partition: its answers below the offset and the offset, in one transaction.
@@ -206,20 +209,40 @@ class TransactionalOutbox:
     ) -> None:
         """One transaction, committed; or aborted with `_Refused` after adding to `refused` the
         answers the broker refused for what they are."""
-        async with producer.transaction():  # aborted on any exception
-            sends = []
-            for staged in ready:
-                topic, key, value = answer_record(staged.answer, self.settings)
-                sends.append(await producer.send(topic, value, key=key, headers=list(JSON_HEADERS)))
-            results = await asyncio.gather(*sends, return_exceptions=True)
-            for staged, result in zip(ready, results, strict=True):
-                if isinstance(result, RECORD_ERRORS):
-                    refused.append((staged, f"the broker refused the answer: {type(result).__name__}"))
-                elif isinstance(result, BaseException):
-                    raise result
-            if refused:
-                raise _Refused
-            await producer.send_offsets_to_transaction({tp: offset}, self.settings.consumer_group)
+        spans: list[trace.Span] = []
+        committed = False
+        try:
+            async with producer.transaction():  # aborted on any exception
+                sends = []
+                for staged in ready:
+                    topic, key, value = answer_record(staged.answer, self.settings)
+                    servers = self.settings.kafka_bootstrap_servers
+                    span, context_headers = start_send(
+                        self.tracer, topic, key, value, servers, staged.context
+                    )
+                    spans.append(span)
+                    headers = [*JSON_HEADERS, *context_headers]
+                    sends.append(await producer.send(topic, value, key=key, headers=headers))
+                results = await asyncio.gather(*sends, return_exceptions=True)
+                for span, result in zip(spans, results, strict=True):
+                    if isinstance(result, BaseException):
+                        span.set_status(trace.StatusCode.ERROR, type(result).__name__)
+                    else:
+                        sent(span, result.partition, result.offset)
+                for staged, result in zip(ready, results, strict=True):
+                    if isinstance(result, RECORD_ERRORS):
+                        refused.append((staged, f"the broker refused the answer: {type(result).__name__}"))
+                    elif isinstance(result, BaseException):
+                        raise result
+                if refused:
+                    raise _Refused
+                await producer.send_offsets_to_transaction({tp: offset}, self.settings.consumer_group)
+            committed = True
+        finally:
+            for span in spans:
+                if not committed:
+                    span.set_status(trace.StatusCode.ERROR, "transaction aborted")
+                span.end()
 
     async def close(self) -> None:
         self._owned.clear()

@@ -108,3 +108,22 @@ def test_a_kind_quiet_for_longer_than_the_longest_pause_starts_over() -> None:
     second = record()
     assert repeats.filter(second)  # one first pause after, not 60 s
     assert HELD.search(second.getMessage()) is not None
+
+
+def test_a_line_inside_a_span_carries_its_trace_and_span_ids_and_one_outside_none() -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from pipeline.logs import FORMAT, TraceContextFilter
+
+    formatter, context_filter = logging.Formatter(FORMAT), TraceContextFilter()
+
+    def line(message: str) -> str:
+        record = logging.LogRecord("pipeline.service", logging.INFO, __file__, 1, message, None, None)
+        assert context_filter.filter(record)
+        return formatter.format(record)
+
+    assert line("outside").endswith(" INFO pipeline.service: outside")
+    with TracerProvider().get_tracer("t").start_as_current_span("process") as span:
+        context = span.get_span_context()
+        inside = line("inside")
+    assert f"[trace_id={context.trace_id:032x} span_id={context.span_id:016x}]: inside" in inside
