@@ -61,8 +61,16 @@ class AnswerHub:
         if self._task is None:
             self._task = asyncio.create_task(self.run(self._stop))
 
+    @property
+    def closed(self) -> bool:
+        return self._stop.is_set()
+
     async def close(self) -> None:
+        """Stops reading; every `follow` and `wait_for` returns (open event streams end, so the
+        HTTP server can stop)."""
         self._stop.set()
+        async with self._changed:
+            self._changed.notify_all()
         if self._task is not None:
             await self._task
 
@@ -83,7 +91,7 @@ class AnswerHub:
         async with self._changed:
             while (found := self.find(event_id, document_id)) is None:
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or self.closed:
                     return None
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), left)
@@ -93,13 +101,14 @@ class AnswerHub:
         self, after: int | None, replay: int, heartbeat_s: float = 15.0
     ) -> AsyncIterator[Delivered | None]:
         """Answers with a sequence number above `after` (or the last `replay` ones), then each new
-        one as it lands; None after `heartbeat_s` without any (time for a keep-alive)."""
+        one as it lands; None after `heartbeat_s` without any (time for a keep-alive). Ends when
+        the hub is closed."""
         self.ensure_running()
         if after is None:  # sequence numbers are contiguous: the last `replay` are above this
             after = max(0, self._seq - replay)
         elif after > self._seq:  # a client of an earlier process: its ids mean nothing here
             after = 0
-        while True:
+        while not self.closed:
             pending = sorted(
                 (d for items in self._by_event.values() for d in items if d.seq > after), key=lambda d: d.seq
             )
@@ -109,10 +118,10 @@ class AnswerHub:
             if pending:
                 continue
             async with self._changed:
-                if self._seq <= after:
+                if self._seq <= after and not self.closed:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._changed.wait(), heartbeat_s)
-            if self._seq <= after:
+            if self._seq <= after and not self.closed:
                 yield None
 
     async def _add(self, answer: Answer, value: bytes) -> None:

@@ -86,7 +86,7 @@ async def _serve(
     async with engine:
         service = Service(settings, engine, telemetry)
         hub = AnswerHub(settings)
-        front = Front(settings, hub, tracer=telemetry.tracer)
+        front = Front(settings, hub, tracer=telemetry.tracer, broker_reachable=service.broker_reachable)
         status = serve_status(
             service.status,
             settings.status_host,

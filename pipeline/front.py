@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -30,6 +31,8 @@ from pipeline.kafka import make_producer
 from pipeline.settings import Settings
 from schemas import AnalysisEvent, DocumentEvent, DocumentKind, Language
 from schemas.events import NonEmptyStr
+
+log = logging.getLogger(__name__)
 
 STATIC = Path(str(resources.files("pipeline") / "web"))
 _EVENT_ID = re.compile(r"[0-9]{1,18}")  # a Last-Event-ID we could have sent
@@ -85,9 +88,11 @@ class Front:
         hub: AnswerHub,
         send_timeout_s: float = 10.0,
         tracer: trace.Tracer | None = None,  # the worker's: a page's document starts its trace
+        broker_reachable: Callable[[], bool | None] = lambda: None,  # None: not known (yet)
     ) -> None:
         self.settings, self.hub, self.send_timeout_s = settings, hub, send_timeout_s
         self.tracer = tracer
+        self.broker_reachable = broker_reachable
         self._producer: AIOKafkaProducer | None = None
         self._lock = asyncio.Lock()
 
@@ -124,6 +129,12 @@ class Front:
             await self._producer.stop()
 
 
+def _state(reachable: bool | None) -> bytes:
+    """The board's live indicator: whether the worker reaches the broker (also a keep-alive)."""
+    broker = {True: "up", False: "down", None: "unknown"}[reachable]
+    return f'event: state\ndata: {{"broker": "{broker}"}}\n\n'.encode()
+
+
 def _sse(item: Delivered) -> bytes:
     return f"id: {item.seq}\nevent: {item.kind}\ndata: {item.json}\n\n".encode()
 
@@ -137,15 +148,21 @@ def router(front: Front) -> APIRouter:
         """Publishes the document to its input topic and returns its analysis event as it lands."""
         if len(request.text) > max_chars:
             return _error(
-                413, "too_long", f"the document has {len(request.text)} characters; the limit is {max_chars}"
+                413,
+                "too_long",
+                f"the document has {len(request.text)} characters; the limit is {max_chars}. "
+                "Shorten it, or send it in parts.",
             )
         try:
             accepted = await front.publish(request)
         except (KafkaError, OSError, TimeoutError) as exc:
+            servers = front.settings.kafka_bootstrap_servers
+            log.warning("a page's document was not published (%s): %s: %s", servers, type(exc).__name__, exc)
             return _error(
                 503,
                 "broker_unavailable",
-                f"could not publish to {front.settings.kafka_bootstrap_servers}: {type(exc).__name__}",
+                "the message bus cannot be reached right now, so nothing was sent. "
+                "Try again in a minute; if it persists, tell whoever runs the service.",
             )
         if not request.wait:
             return JSONResponse(accepted.model_dump(), status_code=202)
@@ -189,11 +206,14 @@ def router(front: Front) -> APIRouter:
             yield b"retry: 2000\n\n"
             if event_id is not None:
                 while (found := await front.hub.wait_for(event_id, 15.0)) is None:
+                    if front.hub.closed:
+                        return  # the worker stops: the page's EventSource reconnects elsewhere
                     yield b": waiting\n\n"  # keeps proxies from closing an idle stream
                 yield _sse(found)
                 return
-            async for item in front.hub.follow(after, replay):
-                yield b": heartbeat\n\n" if item is None else _sse(item)
+            yield _state(front.broker_reachable())
+            async for item in front.hub.follow(after, replay, heartbeat_s=5.0):
+                yield _state(front.broker_reachable()) if item is None else _sse(item)
 
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         return StreamingResponse(stream(), media_type="text/event-stream", headers=headers)

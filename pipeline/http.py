@@ -170,6 +170,7 @@ async def serve_status(
         http=_H11Protocol,
         ws="none",  # no route speaks WebSocket: an upgrade is a plain (guarded) request
         timeout_keep_alive=guard.keep_alive_s,
+        timeout_graceful_shutdown=5,  # a connection that outlives the stop (a stream) is cut then
         header_timeout_s=guard.header_timeout_s,
         server_header=False,  # no version for a scanner to look up
     )

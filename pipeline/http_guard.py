@@ -36,9 +36,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pipeline.settings import Settings
 
 COOKIE = "deepanalyze_session"
+# The probes; the login page, its look and the tab's icon.
 OPEN_PATHS = frozenset(
-    {"/livez", "/readyz", "/healthz", "/login", "/static/style.css"}
-)  # probes; the login page and its look
+    {"/livez", "/readyz", "/healthz", "/login", "/static/style.css", "/static/favicon.svg"}
+)
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 _HOST = re.compile(r"(?P<host>[a-z0-9._-]+|\[[0-9a-f:.]+\])(?::[0-9]{1,5})?")
 _PAGE_PATH = re.compile(r"/(?!/)[A-Za-z0-9_/-]*")  # where the login may send a browser back: no host

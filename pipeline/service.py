@@ -155,6 +155,10 @@ class Service:
             steps=stats.num_steps,
         )
 
+    def broker_reachable(self) -> bool | None:
+        """Whether the cluster watch last reached the brokers (None: not looked yet)."""
+        return self._watch.view.reachable if self._watch is not None else None
+
     @property
     def in_flight(self) -> int:
         """Documents consumed and not yet answered."""

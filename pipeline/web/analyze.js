@@ -12,23 +12,39 @@ function detectLanguage(text) {  // the server's rule: one CJK character ~ one w
   return cjk > 0 && cjk * 5 >= latin ? "中文 · Chinese" : "英文 · English";
 }
 
+function tooLong(length) {
+  return `文档过长：${length} 字符，上限 ${maxChars}。请删减，或分成几段分别提交。`
+    + ` · The document is too long: ${length} characters, the limit is ${maxChars}. Shorten it, or send it in parts.`;
+}
+
 function updateInput() {
   const text = $("text").value;
   $("language").textContent = detectLanguage(text);
   const over = text.length > maxChars;
   $("count").textContent = `${text.length} / ${maxChars} 字符 · characters` + (over ? " — 超出上限 · too long" : "");
   $("count").style.color = over ? "var(--bad)" : "";
+  if (!timer) $("analyze").disabled = over;  // not while an analysis is under way
+  if (over) showError(tooLong(text.length), "too-long");
+  else if ($("error").dataset.kind === "too-long") hideError();
 }
 
-function showError(message) {
+function hideError() {
+  $("error").hidden = true;
+  $("error").textContent = "";
+  delete $("error").dataset.kind;
+}
+
+function showError(message, kind) {
   $("error").textContent = message;
   $("error").hidden = false;
+  if (kind) $("error").dataset.kind = kind; else delete $("error").dataset.kind;
 }
 
 function setBusy(busy, label) {
   $("analyze").disabled = busy;
   clearInterval(timer);
-  if (!busy) { $("status").textContent = label || ""; return; }
+  timer = null;
+  if (!busy) { $("status").textContent = label || ""; updateInput(); return; }
   const started = Date.now();
   const tick = () => {
     const s = ((Date.now() - started) / 1000).toFixed(0);
@@ -48,6 +64,14 @@ const CATEGORY = { safety: "安全隐患 · safety", product_quality: "产品质
   billing: "收费退款 · billing", customer_service: "服务态度 · customer service", after_sales: "售后维修 · after-sales",
   misleading_claims: "虚假宣传 · misleading claims", account_access: "账户系统 · account & app", privacy: "隐私数据 · privacy", other: "其他 · other" };
 const URGENCY = { critical: "紧急 · critical", high: "高 · high", medium: "中 · medium", low: "低 · low" };
+
+function clearReport() {  // a new submission never sits beside the previous document's report
+  $("viewpoint").textContent = "分析结果将显示在这里。· The analysis appears here.";
+  $("viewpoint").classList.add("placeholder");
+  for (const id of ["facts", "data", "conclusions", "sentiment", "rationale", "triage", "timings"]) $(id).replaceChildren();
+  $("triage-block").hidden = true;
+  document.getElementById("injection-warning")?.remove();
+}
 
 function render(event) {
   const a = event.analysis;
@@ -81,40 +105,47 @@ function render(event) {
   $("result").focus();
 }
 
+// What to do, in plain words; the server's own sentence only where none of these applies.
 const MESSAGES = {
-  413: "文档过长 · The document is too long",
-  503: "消息总线不可用 · The broker is unavailable",
-  504: "等待超时 · Timed out waiting",
-  422: "输入无效 · Invalid input",
+  503: "消息总线暂时不可用，文档没有发出。请一分钟后再试；若一直如此，请联系服务的运维人员。"
+    + " · The message bus cannot be reached right now, so nothing was sent. Try again in a minute; if it persists, tell whoever runs the service.",
+  504: "等待超时，结果稍后可能仍会出现。 · Timed out waiting; the result may still arrive.",
+  422: "输入无效，请检查文本和类型。 · Invalid input: check the text and the kind.",
 };
 
 async function analyze(event) {
   event.preventDefault();
-  $("error").hidden = true;
+  hideError();
+  clearReport();
+  $("status").textContent = "";
   const text = $("text").value;
   if (!text.trim()) { showError("请先粘贴文本 · Paste a document first"); $("text").focus(); return; }
-  if (text.length > maxChars) { showError(`${MESSAGES[413]}: ${text.length} > ${maxChars}`); return; }
-  setBusy(true, "正在发布到 Kafka · Publishing to Kafka");
+  if (text.length > maxChars) { showError(tooLong(text.length), "too-long"); return; }
+  setBusy(true, "正在提交 · Sending");
   let response;
   try {
     response = await fetch("/api/analyze", { method: "POST", headers: { "content-type": "application/json" },
       body: JSON.stringify({ text, kind: $("kind").value, wait: false }) });
   } catch (err) {
-    setBusy(false); showError("无法连接服务 · Cannot reach the service"); return;
+    setBusy(false); showError("无法连接服务，请检查网络后重试。 · Cannot reach the service: check the connection and try again."); return;
   }
   if (response.status === 401) { location.assign("/login?next=/"); return; }  // HTTP_TOKEN set, no session
   if (response.status !== 202) {
     const body = await response.json().catch(() => ({}));
-    const detail = typeof body.detail === "string" ? body.detail : JSON.stringify(body.detail || body);
-    setBusy(false); showError(`${MESSAGES[response.status] || `错误 · Error ${response.status}`}: ${detail}`); return;
+    const detail = typeof body.detail === "string" ? body.detail : "";
+    setBusy(false);
+    if (response.status === 413) showError(tooLong(text.length), "too-long");
+    else showError(MESSAGES[response.status] || `错误 ${response.status} · Error ${response.status}: ${detail}`);
+    return;
   }
   const accepted = await response.json();
-  setBusy(true, `已进入队列，正在分析 · Queued on ${accepted.topic}[${accepted.partition}]@${accepted.offset}, analysing`);
+  setBusy(true, "已提交，正在排队等待分析 · Sent; waiting for the analyser");
   const source = new EventSource(`/api/events?event_id=${encodeURIComponent(accepted.event_id)}`);
   source.addEventListener("analysis", (e) => { source.close(); setBusy(false, "完成 · Done"); render(JSON.parse(e.data)); });
   source.addEventListener("dead_letter", (e) => {
     source.close(); const d = JSON.parse(e.data);
-    setBusy(false); showError(`分析失败 · Analysis failed (${d.error_type}): ${d.error_message}`);
+    setBusy(false);
+    showError(`分析失败，文档已转入死信队列（${d.error_type}）。可修改后重新提交。 · The analysis failed and the document went to the dead-letter topic (${d.error_type}): ${d.error_message}. Edit it and try again.`);
   });
   source.onerror = () => { if (source.readyState === EventSource.CONNECTING) setBusy(true, "重新连接中 · Reconnecting"); };
 }

@@ -9,7 +9,7 @@ import contextlib
 import json
 import socket
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import httpx
@@ -30,11 +30,18 @@ pytestmark = pytest.mark.integration
 
 
 @contextlib.asynccontextmanager
-async def front_end(settings: Settings, telemetry: Telemetry, *, worker: bool = True) -> AsyncIterator[str]:
-    """The HTTP server with the pages' router, and (unless `worker` is False) a service answering."""
+async def front_end(
+    settings: Settings,
+    telemetry: Telemetry,
+    *,
+    worker: bool = True,
+    reachable: Callable[[], bool | None] | None = None,
+) -> AsyncIterator[str]:
+    """The HTTP server with the pages' router, and (unless `worker` is False) a service answering;
+    the pages learn whether the broker is reachable from the service (or from `reachable`)."""
     hub = AnswerHub(settings)
-    front = Front(settings, hub, send_timeout_s=3.0)
     service = Service(settings, ScriptedEngine(delay_s=0.05), telemetry)
+    front = Front(settings, hub, send_timeout_s=3.0, broker_reachable=reachable or service.broker_reachable)
     stop = asyncio.Event()
     # Topics first: a POST that beats the worker's start-up would otherwise have the broker
     # auto-create the topic with its own default partition count.
@@ -112,6 +119,7 @@ async def test_too_long_input_is_a_413_and_nothing_is_published(
         assert response.status_code == 413
         body = response.json()
         assert body["error"] == "too_long" and str(settings.max_document_chars) in body["detail"]
+        assert "Shorten it" in body["detail"]
         replay = await _events(client, f"{url}/api/events?replay=10", 0, wait_s=1.0)
     assert replay == []
 
@@ -140,7 +148,8 @@ async def test_a_broker_that_cannot_be_reached_is_a_503(settings: Settings, tele
     await front.close()
     assert response.status_code == 503
     body = response.json()
-    assert body["error"] == "broker_unavailable" and dead in body["detail"]
+    assert body["error"] == "broker_unavailable" and "Try again" in body["detail"]
+    assert dead not in body["detail"] and "Error" not in body["detail"]  # what to do, not the internals
 
 
 async def test_the_pages_and_their_assets_are_served_locally(
@@ -169,7 +178,7 @@ async def _events(
     headers: dict[str, str] | None = None,
     wait_s: float = 30.0,
 ) -> list[tuple[str, str, dict[str, object]]]:
-    """The first `count` server-sent events of `url` as (id, event, data), within `wait_s`."""
+    """The first `count` answers on the server-sent events of `url` as (id, event, data), within `wait_s`."""
     found: list[tuple[str, str, dict[str, object]]] = []
 
     async def read() -> None:
@@ -181,7 +190,7 @@ async def _events(
                     name, _, value = line.partition(": ")
                     fields[name] = value
                     continue
-                if "data" in fields:
+                if "data" in fields and fields.get("event") != "state":  # answers, not the live indicator
                     found.append((fields["id"], fields["event"], json.loads(fields["data"])))
                     if len(found) >= count:
                         return
@@ -245,3 +254,15 @@ async def test_two_requesters_each_get_their_own_analysis_across_a_re_created_to
     assert bob_event.source.offset == alice_event.source.offset  # the same coordinates, re-used
     assert bob_event.event_id != alice_event.event_id
     assert "Bob" in bob_event.analysis.core_viewpoint and "4111" not in bob.text
+
+
+async def test_closing_the_hub_ends_every_open_event_stream(settings: Settings) -> None:
+    """A worker that stops must not wait on a browser's board: the streams end with the hub."""
+    hub = AnswerHub(settings)
+    follow = hub.follow(None, 0, heartbeat_s=60.0)
+    waiting = asyncio.create_task(hub.wait_for("no-such-event", 60.0))
+    following = asyncio.create_task(anext(follow, "ended"))
+    await asyncio.sleep(0.2)
+    await asyncio.wait_for(hub.close(), 10)
+    assert await asyncio.wait_for(waiting, 5) is None
+    assert await asyncio.wait_for(following, 5) == "ended"

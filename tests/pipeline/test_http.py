@@ -96,8 +96,9 @@ class RecordingHub:
 
     def __init__(self) -> None:
         self.after: list[int | None] = []
+        self.closed = False
 
-    async def follow(self, after: int | None, replay: int) -> AsyncIterator[None]:
+    async def follow(self, after: int | None, replay: int, heartbeat_s: float = 15.0) -> AsyncIterator[None]:
         self.after.append(after)
         while True:
             yield None
@@ -108,7 +109,9 @@ class RecordingHub:
 
 
 @contextlib.asynccontextmanager
-async def guarded(hub: RecordingHub | None = None, **overrides: object) -> AsyncIterator[str]:
+async def guarded(
+    hub: RecordingHub | None = None, broker: bool | None = True, **overrides: object
+) -> AsyncIterator[str]:
     """The full app (pages and API, /metrics) on loopback with short timeouts; yields its base URL."""
     settings = load_settings(
         status_port=0,
@@ -117,7 +120,7 @@ async def guarded(hub: RecordingHub | None = None, **overrides: object) -> Async
         http_keep_alive_s=int(TIMEOUT_S),
         **overrides,
     )
-    front = Front(settings, hub or RecordingHub(), send_timeout_s=1.0)  # type: ignore[arg-type]
+    front = Front(settings, hub or RecordingHub(), send_timeout_s=1.0, broker_reachable=lambda: broker)  # type: ignore[arg-type]
     web = router(front)
     guard = HttpGuard.from_settings(settings)
     ready = {"status": "ready"}
@@ -325,10 +328,28 @@ async def test_the_event_stream_outlives_every_timeout() -> None:
         beats, started = 0, asyncio.get_running_loop().time()
         async with client.stream("GET", "/api/events") as stream:
             async for line in stream.aiter_lines():
-                beats += line == ": heartbeat"
+                beats += line == "event: state"
                 if asyncio.get_running_loop().time() - started > 3 * TIMEOUT_S:
                     break
     assert beats >= 10
+
+
+@pytest.mark.parametrize(("reachable", "said"), [(True, "up"), (False, "down"), (None, "unknown")])
+async def test_the_event_stream_says_whether_the_worker_reaches_the_broker(
+    reachable: bool | None, said: str
+) -> None:
+    async with (
+        guarded(broker=reachable) as url,
+        httpx.AsyncClient(base_url=url) as client,
+        client.stream("GET", "/api/events") as stream,
+    ):
+        lines = stream.aiter_lines()
+        async for line in lines:
+            if line == "event: state":
+                assert json.loads((await anext(lines)).removeprefix("data: ")) == {"broker": said}
+                break
+        else:
+            raise AssertionError("no state event")
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 """The pages in headless Chromium (Debian's, driven by Playwright), over the real path: the worker
-`deepanalyze run` would start (default model, dynamic batching), the session's Kafka, the page's
-own requests. Screenshots go to test-artifacts/browser/ for a person to look at.
+`deepanalyze run` would start (default model, dynamic batching) or, for the pages' own behaviour,
+a service with a scripted engine; the session's Kafka, the page's own requests. Screenshots go to
+test-artifacts/browser/ for a person to look at.
 
 Chromium and a CJK font are installed by `make install` (`.ci/install-browser`, Debian packages).
 """
@@ -17,10 +18,14 @@ from typing import Any
 import pytest
 
 from pipeline.app import serve
+from pipeline.client import collect_answers, publish_documents
 from pipeline.service import Service
 from pipeline.settings import Settings
+from pipeline.telemetry import Telemetry
+from schemas import Category, DocumentEvent, DocumentKind
+from tests.pipeline.test_front import front_end
 
-pytestmark = [pytest.mark.integration, pytest.mark.model]
+pytestmark = pytest.mark.integration
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "browser"
@@ -69,6 +74,7 @@ async def browser() -> AsyncIterator[Any]:
             await chromium.close()
 
 
+@pytest.mark.model
 async def test_a_pasted_chinese_complaint_is_analysed_and_appears_live_on_the_triage_board(
     site: str, browser: Any
 ) -> None:
@@ -120,8 +126,7 @@ async def test_a_pasted_chinese_complaint_is_analysed_and_appears_live_on_the_tr
     await board.select_option("#urgency", next(u for u in ("low", "critical") if u != urgency))
     assert await board.locator("#board li").count() == 0
     await board.select_option("#urgency", "")
-    categories = await board.eval_on_selector_all("#category option", "os => os.map(o => o.value)")
-    await board.select_option("#category", categories[-1])
+    await board.select_option("#category", await item.get_attribute("data-category"))
     assert await board.locator("#board li").count() == 1
 
     # Readable at 360 px: nothing wider than the screen, the result below the form.
@@ -138,6 +143,7 @@ async def test_a_pasted_chinese_complaint_is_analysed_and_appears_live_on_the_tr
     assert errors == []
 
 
+@pytest.mark.model
 async def test_errors_are_shown_plainly_on_the_page(site: str, browser: Any) -> None:
     page = await browser.new_page(viewport={"width": 1280, "height": 900})
     await page.goto(site)
@@ -146,10 +152,10 @@ async def test_errors_are_shown_plainly_on_the_page(site: str, browser: Any) -> 
     limit = int(
         await page.evaluate("fetch('/api/limits').then(r => r.json()).then(l => l.max_document_chars)")
     )
-    await page.fill("#text", "长" * (limit + 1))
-    await page.click("#analyze")
+    await page.fill("#text", "长" * (limit + 1))  # said as it is typed; the button cannot send it
     message = await page.text_content("#error") or ""
     assert "过长" in message and "too long" in message
+    assert await page.is_disabled("#analyze")
     await page.screenshot(path=ARTIFACTS / "analyse-too-long.png")
 
 
@@ -187,4 +193,110 @@ async def test_with_a_token_the_pages_ask_for_it_once_then_the_cookie_carries_th
         await page.goto(url)
         await page.wait_for_function("document.querySelector('#count').textContent.includes('/ 8000')")
         await page.screenshot(path=ARTIFACTS / "login-then-analyse.png")
+    assert errors == []
+
+
+# The pages' own behaviour, with a scripted engine behind them (seconds, not minutes).
+
+
+async def _page(browser: Any, errors: list[str], **options: Any) -> Any:
+    page = await browser.new_page(viewport={"width": 1280, "height": 900}, **options)
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    return page
+
+
+async def test_a_new_submission_clears_the_last_report_and_errors_say_what_to_do(
+    settings: Settings, telemetry: Telemetry, browser: Any
+) -> None:
+    errors: list[str] = []
+    async with front_end(settings, telemetry) as site:
+        page = await _page(browser, errors)
+        await page.goto(site)
+        # Every status line the page shows, recorded as it changes: plain words, no Kafka coordinates.
+        await page.evaluate("""window.said = [];
+            const status = document.querySelector('#status');
+            new MutationObserver(() => window.said.push(status.textContent))
+              .observe(status, { childList: true, subtree: true, characterData: true });""")
+        await page.fill("#text", "洗衣机漏水，客服不回电话。")
+        await page.click("#analyze")
+        await page.wait_for_function(
+            "!document.querySelector('#viewpoint').classList.contains('placeholder')"
+        )
+        assert "完成" in (await page.text_content("#status") or "")
+        said = await page.evaluate("window.said")
+        assert any("已提交" in line for line in said)
+        assert not any(
+            settings.topic_complaints in line or "@" in line or "Kafka" in line for line in said
+        ), said
+
+        # An empty submission: the previous report and its "Done" go, the error says what to do.
+        await page.fill("#text", "")
+        await page.click("#analyze")
+        assert "粘贴" in (await page.text_content("#error") or "")
+        assert await page.evaluate("document.querySelector('#viewpoint').classList.contains('placeholder')")
+        assert await page.locator("#facts li").count() == 0
+        assert (await page.text_content("#status") or "") == ""
+
+        # Too long: said while typing, with what to do, and the button cannot send it.
+        limit = int(
+            await page.evaluate("fetch('/api/limits').then(r => r.json()).then(l => l.max_document_chars)")
+        )
+        await page.fill("#text", "长" * (limit + 1))
+        message = await page.text_content("#error") or ""
+        assert "Shorten it" in message and "删减" in message and str(limit) in message
+        assert await page.is_disabled("#analyze")
+        await page.fill("#text", "短")
+        assert await page.is_hidden("#error") and await page.is_enabled("#analyze")
+
+        # The broker away: what to do, not host:port or an exception's name; no stale report.
+        internals = {
+            "error": "broker_unavailable",
+            "detail": "could not publish to 10.0.0.1:9092: TimeoutError",
+        }
+        await page.route("**/api/analyze", lambda route: route.fulfill(status=503, json=internals))
+        await page.click("#analyze")
+        await page.wait_for_selector("#error:not([hidden])")
+        message = await page.text_content("#error") or ""
+        assert "Try again in a minute" in message and "TimeoutError" not in message and "9092" not in message
+        assert (await page.text_content("#status") or "") == "" and await page.is_enabled("#analyze")
+        await page.screenshot(path=ARTIFACTS / "analyse-broker-down.png")
+    assert errors == []
+
+
+async def test_the_board_pages_lists_the_taxonomy_and_writes_dates_in_the_page_s_language(
+    settings: Settings, telemetry: Telemetry, browser: Any
+) -> None:
+    errors: list[str] = []
+    documents = [DocumentEvent(document_id=f"c{i}", kind=DocumentKind.COMPLAINT, text=f"第{i}台洗衣机漏水。")
+                 for i in range(60)]  # fmt: skip
+    async with front_end(settings, telemetry) as site:
+        sent = await publish_documents(settings, documents)
+        await collect_answers(settings, {s.event_id for s in sent}, timeout_s=120)
+        page = await _page(browser, errors, locale="en-US")  # an English browser, a Chinese page
+        await page.goto(f"{site}/triage")
+        await page.wait_for_selector("#live.up", timeout=30_000)
+        await page.wait_for_function("document.querySelectorAll('#board li').length === 50", timeout=30_000)
+        assert "10" in (await page.text_content("#more") or "")
+        await page.click("#more")
+        assert await page.locator("#board li").count() == 60 and await page.is_hidden("#more")
+        options = await page.eval_on_selector_all("#category option", "os => os.map(o => o.value)")
+        assert options == ["", *(c.value for c in Category)]
+        when = await page.text_content("#board li time") or ""
+        assert "年" in when and "月" in when, when  # zh-CN, whatever the browser's locale
+        icon = await page.get_attribute("link[rel=icon]", "href")
+        assert icon and (await page.request.get(f"{site}{icon}")).ok
+        await page.screenshot(path=ARTIFACTS / "triage-paged.png", full_page=True)
+    assert errors == []
+
+
+async def test_the_board_says_when_the_worker_cannot_reach_the_broker(
+    settings: Settings, telemetry: Telemetry, browser: Any
+) -> None:
+    errors: list[str] = []
+    async with front_end(settings, telemetry, worker=False, reachable=lambda: False) as site:
+        page = await _page(browser, errors)
+        await page.goto(f"{site}/triage")
+        await page.wait_for_selector("#live.down", timeout=10_000)
+        await page.wait_for_function("document.querySelector('#live').textContent.includes('unreachable')")
+        assert "实时" not in (await page.text_content("#live") or "")
     assert errors == []
