@@ -33,6 +33,10 @@ class Broker(Protocol):
         """Whether topics, records and offsets survive stop() and start()."""
 
     @property
+    def idempotent(self) -> bool:
+        """Whether it accepts idempotent producers (KAFKA_ENABLE_IDEMPOTENCE must be false if not)."""
+
+    @property
     def bootstrap_servers(self) -> str: ...
 
     @property

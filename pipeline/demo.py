@@ -52,6 +52,7 @@ async def run_demo(console: Console, timeout_s: float) -> int:
             **{
                 **base.model_dump(),
                 "kafka_bootstrap_servers": broker.bootstrap_servers,
+                "kafka_enable_idempotence": broker.idempotent,
                 "model_path": model_path,
             }
         )

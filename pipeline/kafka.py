@@ -42,14 +42,21 @@ def client_options(settings: Settings) -> dict[str, Any]:
 
 
 def make_producer(settings: Settings, **overrides: Any) -> AIOKafkaProducer:
-    """Every plain producer of the service (answers, the pages' documents); `overrides` change
-    one client option (a timeout, the linger)."""
+    """A plain producer (the pages' and the CLI's documents); `overrides` change one client
+    option (a timeout, the linger)."""
     # acks=all: a record counts as delivered only once every in-sync replica has it. Not
-    # idempotent: the Tansu fallback rejects idempotent producers, and a retried send's duplicate
-    # is harmless (same event_id). PROCESSING_GUARANTEE=exactly_once uses transactional producers
-    # (pipeline/transactions.py) for the answers instead.
+    # idempotent: a document's answer id is derived from its send's acknowledgement, which an
+    # idempotent producer's duplicate-batch reply reports with another timestamp type
+    # (`client.answer_id`); the answers' producer is idempotent (`make_answer_producer`).
     options = client_options(settings) | {"acks": "all", "enable_idempotence": False, "linger_ms": 5}
     return AIOKafkaProducer(**(options | overrides))
+
+
+def make_answer_producer(settings: Settings) -> AIOKafkaProducer:
+    """The producer of analysis events and dead letters: idempotent (KAFKA_ENABLE_IDEMPOTENCE),
+    so a send retried after a lost acknowledgement is written once. PROCESSING_GUARANTEE=
+    exactly_once uses transactional producers (pipeline/transactions.py) instead."""
+    return make_producer(settings, enable_idempotence=settings.kafka_enable_idempotence)
 
 
 def make_consumer(settings: Settings, *topics: str, grouped: bool = True) -> AIOKafkaConsumer:

@@ -275,6 +275,7 @@ class KafkaCluster:
 
     kind = f"Apache Kafka {KAFKA_VERSION} (KRaft)"
     durable = True
+    idempotent = True
 
     def __post_init__(self) -> None:
         if not self.nodes:

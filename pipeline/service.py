@@ -36,7 +36,7 @@ from pipeline.answering import Answerer, Counters
 from pipeline.bundled_models import MODELS
 from pipeline.delivery import Delivery
 from pipeline.fetch import Fetcher, Unreadable
-from pipeline.kafka import ensure_topics, make_consumer, make_producer, wait_for_broker
+from pipeline.kafka import ensure_topics, make_answer_producer, make_consumer, wait_for_broker
 from pipeline.metrics import Metrics, Snapshot
 from pipeline.offsets import OffsetTracker
 from pipeline.publish import Publisher, PublishError
@@ -190,7 +190,7 @@ class Service:
         # Grammars compile in the background while the consumer starts and reads.
         preparing = self._preparing = asyncio.create_task(self.analyzer.prepare(), name="prepare-grammars")
         preparing.add_done_callback(_report_preparation)
-        producer = make_producer(self.settings)
+        producer = make_answer_producer(self.settings)
         consumer = self._consumer = make_consumer(self.settings)
         watching: asyncio.Task[None] | None = None
         try:

@@ -39,6 +39,9 @@ class Settings(BaseSettings, EngineOptions):
     kafka_sasl_username: str | None = None
     kafka_sasl_password: SecretStr | None = None
     kafka_ssl_cafile: Path | None = None
+    # The answers' producer is idempotent: a send retried after a lost acknowledgement is not
+    # written twice. Off only for brokers without idempotent producers (the Tansu emulator).
+    kafka_enable_idempotence: bool = True
     topic_complaints: str = "docs.complaints"
     topic_meeting_notes: str = "docs.meeting-notes"
     topic_filings: str = "docs.filings"

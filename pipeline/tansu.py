@@ -47,6 +47,7 @@ def tansu_binary() -> Path:
 class TansuBroker:
     kind: ClassVar[str] = "Tansu 0.6 (Kafka-protocol emulator, in memory)"
     durable: ClassVar[bool] = False  # a restart comes back empty
+    idempotent: ClassVar[bool] = False  # refuses idempotent (and transactional) producers
 
     host: str = "127.0.0.1"
     port: int = 9092

@@ -52,7 +52,9 @@ def _kafka() -> Iterator[str]:
         with KafkaContainer().with_kraft() as kafka:
             yield kafka.get_bootstrap_server()
     else:
-        with embedded_broker() as broker:
+        with embedded_broker() as broker, pytest.MonkeyPatch.context() as env:
+            if not broker.idempotent:  # the Tansu fallback: every settings of the session, workers too
+                env.setenv("KAFKA_ENABLE_IDEMPOTENCE", "false")
             yield broker.bootstrap_servers
 
 

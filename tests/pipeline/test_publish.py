@@ -5,6 +5,9 @@ from __future__ import annotations
 import base64
 from datetime import UTC, datetime
 
+import pytest
+
+from pipeline.kafka import make_answer_producer, make_producer
 from pipeline.publish import answer_record
 from pipeline.settings import Settings
 from schemas import DeadLetter, DeadLetterReason, SourceCoordinates
@@ -30,3 +33,17 @@ def test_a_dead_letter_is_keyed_by_its_document_id_else_by_its_event_id() -> Non
     assert answer_record(dead_letter("doc-9", b"crm-42"), settings)[1] == b"doc-9"
     assert answer_record(dead_letter(None, None), settings)[1] == b"e-1"
     assert answer_record(dead_letter(None, b"a-long-key", truncated=True), settings)[1] == b"e-1"  # not whole
+
+
+@pytest.mark.parametrize("idempotent", [True, False])
+async def test_the_answers_producer_is_idempotent_as_set_and_a_documents_producer_never(
+    idempotent: bool,
+) -> None:
+    settings = Settings(kafka_enable_idempotence=idempotent)
+    answers, documents = make_answer_producer(settings), make_producer(settings)
+    try:  # aiokafka keeps a transaction manager (producer id, sequence numbers) exactly when idempotent
+        assert (answers._txn_manager is not None) is idempotent
+        assert documents._txn_manager is None
+    finally:
+        await answers.stop()
+        await documents.stop()
