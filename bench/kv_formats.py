@@ -54,6 +54,7 @@ class Format:
     residual: int = 32
     quantise: bool = True  # False: unquantised (the reference, or the floor)
     prompt_chunk: int = PROMPT_CHUNK
+    key_blocks: int = 1  # blocks that share the keys' scales (quantised once all of them are cold)
 
     def bits(self, layer: int) -> tuple[int | None, int | None]:
         return self.layer_bits.get(layer, (self.key_bits, self.value_bits))
@@ -79,6 +80,13 @@ FORMATS: dict[str, Format] = {
     "int4+k8@5layers+v8@2": Format(
         layer_bits={layer: (8, 8) if layer in (11, 16) else (8, 4) for layer in SENSITIVE}
     ),
+    # Key scales over 32 or 64 tokens instead of 16: a fifth of int4's key bytes are scales.
+    "int4-keys32": Format(key_blocks=2),
+    "int4-keys64": Format(key_blocks=4),
+    "int4+int8@5layers-keys32": Format(layer_bits={layer: (8, 8) for layer in SENSITIVE}, key_blocks=2),
+    "int4+k8@5layers+v8@2-keys32": Format(
+        layer_bits={layer: (8, 8) if layer in (11, 16) else (8, 4) for layer in SENSITIVE}, key_blocks=2
+    ),
 }
 
 
@@ -90,8 +98,8 @@ def bytes_ratio(fmt: Format, layers: int, head_dim: int, dtype_bytes: int = 2) -
     total = 0.0
     for layer in range(layers):
         key_bits, value_bits = fmt.bits(layer)
-        # keys: a scale and an offset per channel and block; values: a scale and an offset per token
-        total += _part(key_bits, head_dim, dtype_bytes, 2 * head_dim * dtype_bytes / BLOCK)
+        # keys: a scale and an offset per channel and `key_blocks` blocks; values: per token
+        total += _part(key_bits, head_dim, dtype_bytes, 2 * head_dim * dtype_bytes / (BLOCK * fmt.key_blocks))
         total += _part(value_bits, head_dim, dtype_bytes, 2 * dtype_bytes)
     return total / (layers * full)
 
@@ -139,7 +147,9 @@ def logprobs(model: Any, ids: torch.Tensor, prompt_len: int, fmt: Format) -> tor
     rotation = (h if fmt.rotate_keys else None, h if fmt.rotate_values else None)
     steps = [(a, min(a + fmt.prompt_chunk, prompt_len)) for a in range(0, prompt_len, fmt.prompt_chunk)]
     steps += [(a, min(a + BLOCK, len(ids))) for a in range(prompt_len, len(ids), BLOCK)]
-    cache, cold, rows = DynamicCache(), SINK_BLOCKS, []
+    cache, rows = DynamicCache(), []
+    cold_values = cold_keys = SINK_BLOCKS  # the first block of each not yet quantised
+    group = fmt.key_blocks
     with torch.inference_mode():
         for start, end in steps:
             logits = model(input_ids=ids[None, start:end], cache=cache, use_cache=True).logits[0]
@@ -149,17 +159,30 @@ def logprobs(model: Any, ids: torch.Tensor, prompt_len: int, fmt: Format) -> tor
             if not fmt.quantise:
                 continue
             limit = (end - fmt.residual) // BLOCK
-            for block in range(cold, limit):
-                span = slice(block * BLOCK, (block + 1) * BLOCK)
-                for layer, held in enumerate(
-                    cast(list[Any], cache.layers)
-                ):  # full-attention layers: .keys, .values
-                    key_bits, value_bits = fmt.bits(layer)
-                    k, v = held.keys[0, :, span].transpose(0, 1), held.values[0, :, span].transpose(0, 1)
-                    k, v = fake_quantise(k, v, key_bits, value_bits, rotation)
-                    held.keys[0, :, span], held.values[0, :, span] = k.transpose(0, 1), v.transpose(0, 1)
-            cold = max(cold, limit)
+            held = cast(list[Any], cache.layers)  # full-attention layers: .keys, .values
+            for block in range(cold_values, limit):  # values: per token, as each block goes cold
+                _requantise(held, fmt, slice(block * BLOCK, (block + 1) * BLOCK), rotation, keys=False)
+            while cold_keys + group <= limit:  # keys: once every block sharing their scales is cold
+                span = slice(cold_keys * BLOCK, (cold_keys + group) * BLOCK)
+                _requantise(held, fmt, span, rotation, keys=True)
+                cold_keys += group
+            cold_values = max(cold_values, limit)
     return torch.log_softmax(torch.cat(rows)[: len(ids) - prompt_len], dim=-1)
+
+
+def _requantise(
+    held: list[Any], fmt: Format, span: slice, rotation: tuple[torch.Tensor | None, torch.Tensor | None], *, keys: bool
+) -> None:  # fmt: skip
+    """The keys (or the values) of `span` in every layer, fake-quantised in place at the layer's bits."""
+    for layer, cached in enumerate(held):
+        key_bits, value_bits = fmt.bits(layer)
+        tensor = cached.keys if keys else cached.values
+        part = tensor[0, :, span].transpose(0, 1)
+        if keys:
+            part, _ = fake_quantise(part, part, key_bits, None, rotation)
+        else:
+            _, part = fake_quantise(part, part, None, value_bits, rotation)
+        tensor[0, :, span] = part.transpose(0, 1)
 
 
 @dataclass

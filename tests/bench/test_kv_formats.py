@@ -49,3 +49,10 @@ def test_a_format_that_quantises_nothing_leaves_the_distributions_alone_and_int4
     int4 = logprobs(model, ids, 80, Format(residual=0, prompt_chunk=48))
     assert int4.shape == reference.shape == (40, model.config.vocab_size)
     assert (reference.exp() * (reference - int4)).sum(-1).mean() > 1e-6
+
+
+def test_key_scales_shared_by_two_blocks_halve_the_keys_scale_bytes() -> None:
+    head_dim, layers = 64, 4
+    one, two = bytes_ratio(Format(), layers, head_dim), bytes_ratio(Format(key_blocks=2), layers, head_dim)
+    # a scale and an offset (bf16) per channel: 4 * head_dim bytes per 16 tokens, now per 32
+    assert one - two == pytest.approx((4 * head_dim / 32) / (4 * head_dim))
