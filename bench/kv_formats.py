@@ -55,9 +55,13 @@ class Format:
     quantise: bool = True  # False: unquantised (the reference, or the floor)
     prompt_chunk: int = PROMPT_CHUNK
     key_blocks: int = 1  # blocks that share the keys' scales (quantised once all of them are cold)
+    layer_key_blocks: dict[int, int] = field(default_factory=dict)  # layer -> its own key_blocks
 
     def bits(self, layer: int) -> tuple[int | None, int | None]:
         return self.layer_bits.get(layer, (self.key_bits, self.value_bits))
+
+    def key_group(self, layer: int) -> int:
+        return self.layer_key_blocks.get(layer, self.key_blocks)
 
 
 # The most sensitive layers of the 0.5B default (one layer quantised to int4 at a time, 6 documents:
@@ -87,6 +91,12 @@ FORMATS: dict[str, Format] = {
     "int4+k8@5layers+v8@2-keys32": Format(
         layer_bits={layer: (8, 8) if layer in (11, 16) else (8, 4) for layer in SENSITIVE}, key_blocks=2
     ),
+    # 32-token key scales only where int4 costs little; the sensitive layers int8 with 16-token ones.
+    "int4-keys32+int8@5layers": Format(
+        layer_bits={layer: (8, 8) for layer in SENSITIVE},
+        key_blocks=2,
+        layer_key_blocks=dict.fromkeys(SENSITIVE, 1),
+    ),
 }
 
 
@@ -98,8 +108,10 @@ def bytes_ratio(fmt: Format, layers: int, head_dim: int, dtype_bytes: int = 2) -
     total = 0.0
     for layer in range(layers):
         key_bits, value_bits = fmt.bits(layer)
-        # keys: a scale and an offset per channel and `key_blocks` blocks; values: per token
-        total += _part(key_bits, head_dim, dtype_bytes, 2 * head_dim * dtype_bytes / (BLOCK * fmt.key_blocks))
+        # keys: a scale and an offset per channel and `key_group` blocks; values: per token
+        total += _part(
+            key_bits, head_dim, dtype_bytes, 2 * head_dim * dtype_bytes / (BLOCK * fmt.key_group(layer))
+        )
         total += _part(value_bits, head_dim, dtype_bytes, 2 * dtype_bytes)
     return total / (layers * full)
 
@@ -148,8 +160,8 @@ def logprobs(model: Any, ids: torch.Tensor, prompt_len: int, fmt: Format) -> tor
     steps = [(a, min(a + fmt.prompt_chunk, prompt_len)) for a in range(0, prompt_len, fmt.prompt_chunk)]
     steps += [(a, min(a + BLOCK, len(ids))) for a in range(prompt_len, len(ids), BLOCK)]
     cache, rows = DynamicCache(), []
-    cold_values = cold_keys = SINK_BLOCKS  # the first block of each not yet quantised
-    group = fmt.key_blocks
+    cold_values = SINK_BLOCKS  # the first block not yet quantised: values, then each layer's keys
+    cold_keys = [SINK_BLOCKS] * model.config.num_hidden_layers
     with torch.inference_mode():
         for start, end in steps:
             logits = model(input_ids=ids[None, start:end], cache=cache, use_cache=True).logits[0]
@@ -162,19 +174,23 @@ def logprobs(model: Any, ids: torch.Tensor, prompt_len: int, fmt: Format) -> tor
             held = cast(list[Any], cache.layers)  # full-attention layers: .keys, .values
             for block in range(cold_values, limit):  # values: per token, as each block goes cold
                 _requantise(held, fmt, slice(block * BLOCK, (block + 1) * BLOCK), rotation, keys=False)
-            while cold_keys + group <= limit:  # keys: once every block sharing their scales is cold
-                span = slice(cold_keys * BLOCK, (cold_keys + group) * BLOCK)
-                _requantise(held, fmt, span, rotation, keys=True)
-                cold_keys += group
+            for layer, cached in enumerate(held):  # keys: once every block sharing their scales is cold
+                group = fmt.key_group(layer)
+                while cold_keys[layer] + group <= limit:
+                    span = slice(cold_keys[layer] * BLOCK, (cold_keys[layer] + group) * BLOCK)
+                    _requantise([cached], fmt, span, rotation, keys=True, first_layer=layer)
+                    cold_keys[layer] += group
             cold_values = max(cold_values, limit)
     return torch.log_softmax(torch.cat(rows)[: len(ids) - prompt_len], dim=-1)
 
 
 def _requantise(
-    held: list[Any], fmt: Format, span: slice, rotation: tuple[torch.Tensor | None, torch.Tensor | None], *, keys: bool
+    held: list[Any], fmt: Format, span: slice, rotation: tuple[torch.Tensor | None, torch.Tensor | None], *,
+    keys: bool, first_layer: int = 0,
 ) -> None:  # fmt: skip
-    """The keys (or the values) of `span` in every layer, fake-quantised in place at the layer's bits."""
-    for layer, cached in enumerate(held):
+    """The keys (or the values) of `span` in the layers `held` (the first is `first_layer`),
+    fake-quantised in place at each layer's bits."""
+    for layer, cached in enumerate(held, start=first_layer):
         key_bits, value_bits = fmt.bits(layer)
         tensor = cached.keys if keys else cached.values
         part = tensor[0, :, span].transpose(0, 1)
