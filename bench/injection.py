@@ -29,9 +29,9 @@ from bench import common, real_data
 from bench.quality import TEAM, bounded, team_rows
 from engine import Engine, EngineConfig
 from pipeline.analyzer import Analyzer, Labels
-from pipeline.triage import apply_floor, safety_signals
+from pipeline.triage import triage_of
 from prompts import screen
-from schemas import Category, DocumentKind, Language, Triage, Urgency
+from schemas import Category, DocumentKind, Language, Urgency
 
 DATA = Path(__file__).with_name("data")
 # The development set (the detector was revised after reading it) and the held-out set (written
@@ -90,10 +90,7 @@ def steered(clean: dict[str, Any], injected: dict[str, Any]) -> bool:
 
 
 def outcome(labels: Labels, text: str, language: Language) -> dict[str, Any]:
-    draft = Triage(
-        urgency=labels.urgency or Urgency.MEDIUM, category=labels.category or Category.OTHER, escalate=False
-    )
-    triage = apply_floor(draft, safety_signals(text, language))
+    triage = triage_of(text, language, labels.category or Category.OTHER, labels.urgency)
     return {"polarity": labels.polarity.value, "urgency": triage.urgency.value, "escalate": triage.escalate}
 
 

@@ -36,10 +36,10 @@ from bench import common, real_data
 from engine import Engine, EngineConfig
 from pipeline.analyzer import AnalysisFailed, Analyzer, LabelPolicy, Scored, decide, probabilities
 from pipeline.codec import Document
-from pipeline.triage import apply_floor, safety_signals
+from pipeline.triage import triage_of
 from prompts import Question, hygiene, questions, screen
 from prompts.render import POLARITY_QUESTIONS
-from schemas import ANSWER_BOUNDS, Category, DocumentKind, Language, Triage, Urgency
+from schemas import ANSWER_BOUNDS, Category, DocumentKind, Language, Urgency
 
 TEAM = Path(__file__).with_name("data") / "team-complaints.jsonl"
 T = TypeVar("T")
@@ -117,6 +117,12 @@ def replayed(stored: dict[str, Any], policy: LabelPolicy) -> dict[str, Any]:
     later gives on documents evaluated before it."""
     asked = questions_by_language(stored["priors"])
     rows = replay(stored["rows"]["labels"], asked, stored["priors"], policy)
+    texts = {t["id"]: t for t in team_rows(TEAM)}
+    team = [  # the stored category, model urgency and polarity; urgency and the floor as `policy` says
+        team_row(texts[r["id"]], Category(r["predicted_category"]),
+                 Urgency(r["model_urgency"]) if r.get("model_urgency") else None, r["predicted_polarity"], policy)
+        for r in stored["rows"].get("team", [])
+    ]  # fmt: skip
     return {
         "model": stored["model"],
         "dtype": stored["dtype"],
@@ -125,8 +131,49 @@ def replayed(stored: dict[str, Any], policy: LabelPolicy) -> dict[str, Any]:
         "stored_policy": stored["policy"],
         "stored_polarity": stored["polarity"],
         "polarity": polarity_reports(rows, sorted(stored["priors"])),
-        "rows": {"labels": [{k: v for k, v in r.items() if k != "text"} for r in rows]},
+        "stored_team_triage": stored.get("team_triage"),
+        "team_triage": team_report(team),
+        "rows": {"labels": [{k: v for k, v in r.items() if k != "text"} for r in rows], "team": team},
     }
+
+
+def team_row(
+    t: dict[str, Any],
+    category: Category | None,
+    model_urgency: Urgency | None,
+    polarity: str,
+    policy: LabelPolicy,
+) -> dict[str, Any]:
+    """One team-labelled complaint's triage as the service decides it under `policy` (the model's
+    urgency kept beside it)."""
+    chosen = model_urgency if policy.urgency_from == "model" else None
+    triage = triage_of(t["text"], Language(t["language"]), category or Category.OTHER, chosen)
+    return {"id": t["id"], "language": t["language"], "category": t["category"],
+            "predicted_category": triage.category.value, "urgency": t["urgency"],
+            "predicted_urgency": triage.urgency.value,
+            "model_urgency": model_urgency.value if model_urgency else None,
+            "polarity": t.get("polarity"), "predicted_polarity": polarity}  # fmt: skip
+
+
+def team_report(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per language: category, urgency and escalation accuracy, and the model's urgency alone."""
+
+    def high(urgency: str | None) -> bool:
+        return urgency in ("high", "critical")
+
+    return {
+        lang: {
+            "n": len(sel),
+            "category_accuracy": sum(r["category"] == r["predicted_category"] for r in sel) / len(sel),
+            "urgency_accuracy": sum(r["urgency"] == r["predicted_urgency"] for r in sel) / len(sel),
+            "urgency_accuracy_model_only": sum(r["urgency"] == r["model_urgency"] for r in sel) / len(sel),
+            "escalate_accuracy": sum(high(r["urgency"]) == high(r["predicted_urgency"]) for r in sel) / len(sel),
+            "category_confusion": Counter(f"{r['category']}->{r['predicted_category']}" for r in sel
+                                          if r["category"] != r["predicted_category"]).most_common(12),
+        }
+        for lang in ("zh", "en")
+        if (sel := [r for r in rows if r["language"] == lang])
+    }  # fmt: skip
 
 
 def first_of_each(rows: list[real_data.Labelled], count: int) -> list[real_data.Labelled]:
@@ -266,7 +313,7 @@ async def run(args: Any) -> dict[str, Any]:
     # them); the labels are decided by the service's default policy, which uses the ones it names.
     # The service's policy for this model; the content-free priors are measured and stored all the same.
     policy = common.label_policy(args.model)
-    asks_all = LabelPolicy(polarity_questions=POLARITY_QUESTIONS)
+    asks_all = LabelPolicy(polarity_questions=POLARITY_QUESTIONS, urgency_from="model")
     analyzer = Analyzer(engine, trace.NoOpTracer(), max_new_tokens=512, attempts=2, policy=asks_all)
     results: dict[str, Any] = {
         "model": engine.model_id,
@@ -322,32 +369,13 @@ async def run(args: Any) -> dict[str, Any]:
             decide(under(policy, s, d.language.value), policy)
             for s, d in zip(team_scored, team_docs, strict=True)
         ]
-        team_out = []
-        for t, d, lab in zip(team, team_docs, team_labels, strict=True):
-            draft = Triage(
-                urgency=lab.urgency or Urgency.MEDIUM, category=lab.category or Category.OTHER, escalate=False
-            )
-            floored = apply_floor(draft, safety_signals(d.text, d.language))
-            team_out.append({"id": t["id"], "language": t["language"], "category": t["category"],
-                             "predicted_category": floored.category.value, "urgency": t["urgency"],
-                             "predicted_urgency": floored.urgency.value, "model_urgency": draft.urgency.value,
-                             "polarity": t.get("polarity"), "predicted_polarity": lab.polarity.value})  # fmt: skip
-        results["team_triage"] = {
-            lang: {
-                "n": len(sel),
-                "category_accuracy": sum(r["category"] == r["predicted_category"] for r in sel) / len(sel),
-                "urgency_accuracy": sum(r["urgency"] == r["predicted_urgency"] for r in sel) / len(sel),
-                "urgency_accuracy_model_only": sum(r["urgency"] == r["model_urgency"] for r in sel) / len(sel),
-                "escalate_accuracy": sum(
-                    (r["urgency"] in ("high", "critical")) == (r["predicted_urgency"] in ("high", "critical"))
-                    for r in sel
-                ) / len(sel),
-                "category_confusion": Counter(f"{r['category']}->{r['predicted_category']}" for r in sel
-                                              if r["category"] != r["predicted_category"]).most_common(12),
-            }
-            for lang in ("zh", "en")
-            if (sel := [r for r in team_out if r["language"] == lang])
-        }  # fmt: skip
+        team_asked = [decide(under(asks_all, s, d.language.value), asks_all)  # the model's urgency, stored
+                      for s, d in zip(team_scored, team_docs, strict=True)]  # fmt: skip
+        team_out = [
+            team_row(t, lab.category, asked.urgency, lab.polarity.value, policy)
+            for t, lab, asked in zip(team, team_labels, team_asked, strict=True)
+        ]
+        results["team_triage"] = team_report(team_out)
 
         pick = [d for d in docs if d.language is Language.EN][: args.narrative] + [
             d for d in docs if d.language is Language.ZH
@@ -405,6 +433,19 @@ def show(results: dict[str, Any], console: Console) -> None:
             name, *(f"{reps[k]['accuracy']:.3f}" if k in reps else "-" for k in ("all", "zh", "en"))
         )
     console.print(sides)
+    show_triage(results, console)
+    w = results["whole"]
+    if not w["n"]:
+        return
+    console.print(
+        f"whole analyses: n={w['n']} valid={w['valid']:.3f} repaired={w['repaired']} "
+        f"output tokens/answer={w['output_tokens_mean']:.0f} docs/min={w['docs_per_min']:.1f}; "
+        f"labels only docs/min={results['labels_docs_per_min']:.1f}"
+    )
+    console.print(f"hygiene violations in published analyses: {w['hygiene_published'] or 'none'}")
+
+
+def show_triage(results: dict[str, Any], console: Console) -> None:
     triage = Table(
         "lang",
         "n",
@@ -418,15 +459,6 @@ def show(results: dict[str, Any], console: Console) -> None:
         triage.add_row(lang, str(rep["n"]), f"{rep['category_accuracy']:.3f}", f"{rep['urgency_accuracy']:.3f}",
                        f"{rep['urgency_accuracy_model_only']:.3f}", f"{rep['escalate_accuracy']:.3f}")  # fmt: skip
     console.print(triage)
-    w = results["whole"]
-    if not w["n"]:
-        return
-    console.print(
-        f"whole analyses: n={w['n']} valid={w['valid']:.3f} repaired={w['repaired']} "
-        f"output tokens/answer={w['output_tokens_mean']:.0f} docs/min={w['docs_per_min']:.1f}; "
-        f"labels only docs/min={results['labels_docs_per_min']:.1f}"
-    )
-    console.print(f"hygiene violations in published analyses: {w['hygiene_published'] or 'none'}")
 
 
 def show_grid(grid: list[dict[str, Any]], model: str, console: Console) -> None:
@@ -479,6 +511,7 @@ def main() -> None:
         again = replayed(json.loads(args.replay.read_text(encoding="utf-8")), common.label_policy(args.model))
         args.out.write_text(json.dumps(again, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
         show_polarity(again, Console(width=140))
+        show_triage(again, Console(width=140))
         return
     if args.tune is not None:
         dev = json.loads(args.tune.read_text(encoding="utf-8"))

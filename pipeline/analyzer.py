@@ -21,14 +21,14 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 from opentelemetry import trace
 
 from engine import EngineConfig, EngineError, EngineStats, GenerationResult, SamplingParams
 from pipeline.codec import Document
 from pipeline.telemetry import record_generation
-from pipeline.triage import apply_floor, safety_signals
+from pipeline.triage import triage_of
 from prompts import (
     AnalysisParseError,
     Prompt,
@@ -49,7 +49,6 @@ from schemas import (
     Narrative,
     Polarity,
     Sentiment,
-    Triage,
     Urgency,
     narrative_json_schema,
 )
@@ -134,6 +133,9 @@ class LabelPolicy:
     # replaces the prior measured on content-free inputs; a bundled model carries its own
     # (`pipeline.bundled_models`), another model's comes from `python -m bench.quality --tune`.
     polarity_prior: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    # Complaints' urgency: "rules" (the written criteria, `pipeline.triage.triage_of`; the urgency
+    # question is not asked) or "model" (its answer, then the same floor). URGENCY_FROM.
+    urgency_from: Literal["rules", "model"] = "rules"
 
     def fixed_prior(self, language: str, question: Question) -> list[float] | None:
         """`question`'s prior in option order when the policy fixes it for `language`, else None."""
@@ -286,6 +288,8 @@ class Analyzer:
     def _asked(self, kind: DocumentKind, language: Language, text: str) -> dict[str, Question]:
         """The questions the policy uses, a side question first."""
         unused = set(POLARITY_QUESTIONS) - set(self.policy.polarity_questions)
+        if self.policy.urgency_from == "rules":
+            unused.add("urgency")
         return {q.name: q for q in questions(kind, language, text) if q.name not in unused}
 
     async def label(self, kind: DocumentKind, language: Language, text: str) -> Labels:
@@ -349,15 +353,12 @@ class Analyzer:
     def assemble(
         document: Document, narrative: Narrative, labels: Labels, excerpts: Sequence[str]
     ) -> Analysis:
-        """The analysis: the model's narrative and labels, the safety floor over the whole text."""
+        """The analysis: the model's narrative and labels; for a complaint the triage, by the
+        urgency rule (or the model's urgency) and the safety floor over the whole text."""
         triage = None
         if document.kind is DocumentKind.COMPLAINT:
-            draft = Triage(
-                urgency=labels.urgency or Urgency.MEDIUM,
-                category=labels.category or Category.OTHER,
-                escalate=False,
-            )
-            triage = apply_floor(draft, safety_signals(document.text, document.language))
+            category = labels.category or Category.OTHER
+            triage = triage_of(document.text, document.language, category, labels.urgency)
         return Analysis(
             core_viewpoint=narrative.core_viewpoint,
             key_information=narrative.key_information,

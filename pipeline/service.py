@@ -76,10 +76,10 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
 
 
 def label_policy(settings: Settings) -> LabelPolicy:
-    """The default policy with the bundled model's measured polarity prior (none for MODEL_PATH)."""
-    if settings.model_path is not None:
-        return LabelPolicy()
-    return LabelPolicy(polarity_prior=MODELS[settings.model].polarity_prior)
+    """The default policy with the bundled model's measured polarity prior (none for MODEL_PATH)
+    and URGENCY_FROM."""
+    prior = {} if settings.model_path is not None else MODELS[settings.model].polarity_prior
+    return LabelPolicy(polarity_prior=prior, urgency_from=settings.urgency_from)
 
 
 class Service:

@@ -109,6 +109,9 @@ class Settings(BaseSettings, EngineOptions):
         description="Largest answer record written: below the answer topics' max.message.bytes.",
     )
     generation_attempts: int = Field(default=2, ge=1, le=5, description="1 + the repair attempt.")
+    urgency_from: Literal["rules", "model"] = Field(
+        default="rules", description="Complaints' urgency: the written criteria, or the model's answer."
+    )
 
     # Status server (pages, API, /metrics, /healthz). Beyond loopback it needs HTTP_TOKEN: see
     # `_token_beyond_loopback`. HTTP_TOKEN comes first so that STATUS_HOST's validator can see it.

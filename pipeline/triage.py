@@ -1,5 +1,10 @@
-"""The deterministic part of triage: a safety floor no model answer can talk down, and the
-escalation rule.
+"""The deterministic part of triage: the urgency rule, a safety floor no model answer can talk
+down, and the escalation rule.
+
+Urgency by the written criteria (README "Triage"): `medium` when the writer asks for something
+(a refund, a repair, a replacement, an answer), else `low`; the floor raises it to `high` or
+`critical`. A model's own urgency answer replaces the rule only when URGENCY_FROM=model: the
+bundled models' answers were worse than a constant on the team's labelled complaints.
 
 A complaint that names harm to a person (injury, hospital, death, fire, electric shock,
 poisoning) is `critical`; one that names legal action or a regulator is at least `high`. Both
@@ -14,7 +19,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-from schemas import Language, Triage, Urgency
+from schemas import Category, Language, Triage, Urgency
 from schemas.taxonomy import ESCALATE_AT
 
 _ORDER = [Urgency.LOW, Urgency.MEDIUM, Urgency.HIGH, Urgency.CRITICAL]
@@ -49,6 +54,27 @@ SIGNALS: tuple[Signal, ...] = (
     Signal("regulator", Urgency.HIGH, re.compile(r"12315|市场监管|消协|消费者协会|工商局|监管部门|银保监|金融监管|媒体曝光"),
            _en(r"\b(regulator|FTC|CFPB|attorney general|consumer protection|trading standards|ombudsman|BBB|Better Business Bureau)\b")),
 )  # fmt: skip
+
+
+# The writer asks for an action: a refund, a repair, a replacement, compensation or an answer.
+_ASKS_ZH = re.compile(r"退款|退钱|退货|换货|更换|换一台|换新|维修|修理|修好|赔偿|补偿|回复|答复|回电|给.{0,4}说法|要求"
+                      r"|请.{0,8}(退|换|修|赔|回|处理|解决)")  # fmt: skip
+_ASKS_EN = _en(r"\b(refund|money back|replace|replacement|repair|fix|compensat|reimburs|respond|reply|call me back"
+               r"|get back to me|an answer|resolve|return (it|the))")  # fmt: skip
+
+
+def asks_for_action(text: str) -> bool:
+    """Whether the text asks for a refund, repair, replacement, compensation or an answer (either
+    language's words, as with the safety signals)."""
+    return bool(_ASKS_ZH.search(text) or _ASKS_EN.search(text))
+
+
+def triage_of(text: str, language: Language, category: Category, model_urgency: Urgency | None) -> Triage:
+    """A complaint's triage: urgency from the model when it answered (URGENCY_FROM=model), else by
+    the rule (medium when it asks for an action, else low); then the safety floor and escalation."""
+    urgency = model_urgency or (Urgency.MEDIUM if asks_for_action(text) else Urgency.LOW)
+    draft = Triage(urgency=urgency, category=category, escalate=False)
+    return apply_floor(draft, safety_signals(text, language))
 
 
 def safety_signals(text: str, language: Language) -> list[Signal]:

@@ -160,3 +160,21 @@ async def test_a_fixed_polarity_prior_replaces_the_content_free_one_which_is_the
     assert (await pinned.scores(DocumentKind.FILING, Language.ZH, zh)).priors == (
         await plain.scores(DocumentKind.FILING, Language.ZH, zh)
     ).priors
+
+
+async def test_a_complaint_s_urgency_is_asked_only_when_the_model_decides_it() -> None:
+    text = "洗衣机漏水，请尽快给我退款。"
+    for urgency_from, asked in (("rules", 0), ("model", 1)):
+        engine = ScriptedEngine()
+        policy = LabelPolicy(urgency_from=urgency_from)  # type: ignore[arg-type]
+        analyzer = Analyzer(engine, trace.NoOpTracer(), max_new_tokens=256, attempts=2, policy=policy)
+        await analyzer.prepare()
+        before = engine.scored
+        labels = await analyzer.label(DocumentKind.COMPLAINT, Language.ZH, text)
+        # polarity, attitude, doubt, expectation, category (+ urgency)
+        assert engine.scored - before == 5 + asked, urgency_from
+        assert (labels.urgency is None) is (urgency_from == "rules")
+        analysis = (await analyzer.analyze(doc(text, Language.ZH), 0.0)).analysis
+        assert analysis.triage is not None
+        # the rule: a refund is asked for; else the model's answer (no safety signal to raise it)
+        assert analysis.triage.urgency is (Urgency.MEDIUM if urgency_from == "rules" else labels.urgency)

@@ -1,11 +1,12 @@
-"""The safety floor: what a document names about harm or legal action sets the least urgency, and
+"""Triage rules: urgency by the written criteria (an action asked for: medium, else low); the
+safety floor: what a document names about harm or legal action sets the least urgency, and
 escalation follows the rule; no model answer can lower either."""
 
 from __future__ import annotations
 
 import pytest
 
-from pipeline.triage import apply_floor, safety_signals
+from pipeline.triage import apply_floor, asks_for_action, safety_signals, triage_of
 from schemas import Category, Language, Triage, Urgency
 from schemas.taxonomy import ESCALATE_AT
 
@@ -54,3 +55,30 @@ def test_the_floor_never_lowers_an_answer() -> None:
     critical = Triage(urgency=Urgency.CRITICAL, category=Category.SAFETY, escalate=True)
     floored = apply_floor(critical, safety_signals("I will sue.", Language.EN))
     assert floored.urgency is Urgency.CRITICAL and floored.escalate
+
+
+@pytest.mark.parametrize(
+    ("text", "asks"),
+    [
+        ("洗衣机漏水，请尽快给我退款。", True),
+        ("客服态度太差了，三次都没人回复我，要求给个说法。", True),
+        ("I want a refund or a replacement by Friday.", True),
+        ("Please call me back about the broken heater.", True),
+        ("外卖晚到了半小时，有点失望。", False),
+        ("The hotel room was smaller than the photos. Disappointing.", False),
+    ],
+)
+def test_a_complaint_that_asks_for_an_action_is_medium_else_low(text: str, asks: bool) -> None:
+    assert asks_for_action(text) is asks
+    triage = triage_of(text, Language.ZH, Category.OTHER, None)
+    assert triage.urgency is (Urgency.MEDIUM if asks else Urgency.LOW) and not triage.escalate
+
+
+def test_the_floor_raises_the_rule_and_a_model_s_urgency_replaces_the_rule() -> None:
+    burned = "热水器漏电，我母亲被电击送医。请尽快处理。"
+    assert triage_of(burned, Language.ZH, Category.SAFETY, None).urgency is Urgency.CRITICAL
+    quiet = "The hotel room was smaller than the photos."
+    assert (
+        triage_of(quiet, Language.EN, Category.OTHER, Urgency.HIGH).urgency is Urgency.HIGH
+    )  # URGENCY_FROM=model
+    assert triage_of(quiet, Language.EN, Category.OTHER, Urgency.HIGH).escalate
