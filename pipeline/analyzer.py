@@ -226,7 +226,6 @@ class Analyzer:
             )
             for language in Language
         }
-        self.max_new_tokens = max_new_tokens
         self.attempts = attempts
         # Per (language, question): the option probabilities on content-free inputs. A question's
         # prompt is the same for every kind (complaints only ask more), so kinds share them.
@@ -259,12 +258,13 @@ class Analyzer:
     async def _measure_prior(self, language: Language, name: str) -> list[float]:
         """The policy's fixed prior for the question, else its option probabilities averaged over
         the content-free inputs."""
-        rows = []
-        for text in CONTENT_FREE:
-            question = next(q for q in questions(DocumentKind.COMPLAINT, language, text) if q.name == name)
-            if (fixed := self.policy.fixed_prior(language.value, question)) is not None:
-                return fixed
-            rows.append(await self._score(question))
+        asked = [
+            next(q for q in questions(DocumentKind.COMPLAINT, language, text) if q.name == name)
+            for text in CONTENT_FREE
+        ]
+        if (fixed := self.policy.fixed_prior(language.value, asked[0])) is not None:
+            return fixed
+        rows = [await self._score(question) for question in asked]
         return [sum(math.exp(r[i]) for r in rows) / len(rows) for i in range(len(rows[0]))]
 
     async def _score(self, question: Question) -> list[float]:

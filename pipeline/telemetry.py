@@ -46,11 +46,16 @@ class Telemetry:
         self.provider.shutdown()
 
 
+def traces_endpoint(settings: Settings) -> str | None:
+    """Where traces go: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else OTEL_EXPORTER_OTLP_ENDPOINT."""
+    return settings.otel_exporter_otlp_traces_endpoint or settings.otel_exporter_otlp_endpoint
+
+
 def span_exporter(settings: Settings) -> SpanExporter | None:
     """The OTLP exporter the OpenTelemetry variables ask for: none without an endpoint; gRPC or
     HTTP/protobuf by OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, else OTEL_EXPORTER_OTLP_PROTOCOL. The
     exporter reads the endpoint (the traces' own first), headers and timeout from the environment."""
-    if not (settings.otel_exporter_otlp_traces_endpoint or settings.otel_exporter_otlp_endpoint):
+    if traces_endpoint(settings) is None:
         return None
     protocol = settings.otel_exporter_otlp_traces_protocol or settings.otel_exporter_otlp_protocol
     if protocol == "grpc":
@@ -66,8 +71,8 @@ def build_provider(settings: Settings) -> TracerProvider:
     provider = TracerProvider(resource=Resource.create({"service.name": settings.otel_service_name}))
     if (exporter := span_exporter(settings)) is not None:
         provider.add_span_processor(BatchSpanProcessor(exporter))
-        endpoint = settings.otel_exporter_otlp_traces_endpoint or settings.otel_exporter_otlp_endpoint
-        log.info("exporting traces over OTLP (%s) to %s", type(exporter).__module__.split(".")[-2], endpoint)
+        protocol = type(exporter).__module__.split(".")[-2]
+        log.info("exporting traces over OTLP (%s) to %s", protocol, traces_endpoint(settings))
     return provider
 
 
