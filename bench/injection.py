@@ -29,6 +29,7 @@ from bench import common, real_data
 from bench.quality import TEAM, bounded, team_rows
 from engine import Engine, EngineConfig
 from pipeline.analyzer import Analyzer, Labels
+from pipeline.backends import EmbeddedBackend
 from pipeline.triage import triage_of
 from prompts import screen
 from schemas import Category, DocumentKind, Language, Urgency
@@ -103,7 +104,9 @@ async def run(args: Any) -> dict[str, Any]:
     )
     engine = await asyncio.to_thread(Engine.from_config, config)
     policy = common.label_policy(args.model)
-    analyzer = Analyzer(engine, trace.NoOpTracer(), max_new_tokens=512, attempts=2, policy=policy)
+    analyzer = Analyzer(
+        EmbeddedBackend(engine), trace.NoOpTracer(), max_new_tokens=512, attempts=2, policy=policy
+    )
     bases = [t for t in team_rows(TEAM) if t["polarity"] == "negative"]
     cases = appended(bases, read_lines(PHRASINGS[args.phrasings]), args.per_language)
     controls = appended(bases, read_lines(CONTROL), args.per_language) if args.control else []

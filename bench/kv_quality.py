@@ -41,6 +41,7 @@ from bench import common
 from engine import Engine, EngineConfig, SamplingParams
 from engine.loader import LoadedModel, load_model
 from pipeline.analyzer import Analyzer
+from pipeline.backends import EmbeddedBackend
 from pipeline.codec import Document
 from prompts import AnalysisParseError, parse_narrative, render
 from schemas import DocumentKind, Language, Polarity, SourceCoordinates, narrative_json_schema
@@ -129,7 +130,7 @@ async def analysis_pass(
     """Every analysis as the service makes it (labels scored by `Analyzer.label`, then the
     narrative generated); with `top_k`, records the narrative's reference distributions as well."""
     schemas = {lang: json.dumps(narrative_json_schema(lang)) for lang in Language}
-    analyzer = Analyzer(engine, trace.NoOpTracer(), max_new_tokens=1024, attempts=1)
+    analyzer = Analyzer(EmbeddedBackend(engine), trace.NoOpTracer(), max_new_tokens=1024, attempts=1)
     rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by document index: completion order differs
 
     async def one(index: int, doc: dict[str, Any]) -> DocResult:

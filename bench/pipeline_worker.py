@@ -38,22 +38,20 @@ class InstantEngine:
     """Answers every prompt with the same valid analysis, without a model."""
 
     model_id = "instant"
+    provider = "instant"
 
-    def format_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        # First "token": the prompt's language (1: Chinese), so the answer can be in it.
-        return [int(messages[0]["content"].startswith("你")), *(len(m["content"]) for m in messages)]
-
-    async def score(self, prompt_ids: Sequence[int], continuations: Sequence[str]) -> list[float]:
+    async def score(self, messages: Sequence[dict[str, str]], continuations: Sequence[str]) -> list[float]:
         return [-float(i) for i in range(len(continuations))]
 
     async def prepare(self, json_schema: str) -> None:
         pass
 
     async def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams | None = None
+        self, messages: Sequence[dict[str, str]], params: SamplingParams | None = None
     ) -> GenerationResult:
+        chinese = messages[0]["content"].startswith("你")  # the prompt's language: the answer's
         return GenerationResult(
-            text=ANSWERS["zh" if prompt_ids[0] else "en"], token_ids=[0], prompt_tokens=len(prompt_ids), finish_reason="stop",
+            text=ANSWERS["zh" if chinese else "en"], token_ids=[0], prompt_tokens=len(messages), finish_reason="stop",
             queued_s=0.0, ttft_s=0.0, total_s=0.0, batch_size=1,
         )  # fmt: skip
 

@@ -35,6 +35,7 @@ from rich.table import Table
 from bench import common, real_data
 from engine import Engine, EngineConfig
 from pipeline.analyzer import AnalysisFailed, Analyzer, LabelPolicy, Scored, decide, probabilities
+from pipeline.backends import EmbeddedBackend
 from pipeline.codec import Document
 from pipeline.triage import triage_of
 from prompts import Question, hygiene, questions, screen
@@ -314,7 +315,9 @@ async def run(args: Any) -> dict[str, Any]:
     # The service's policy for this model; the content-free priors are measured and stored all the same.
     policy = common.label_policy(args.model)
     asks_all = LabelPolicy(polarity_questions=POLARITY_QUESTIONS, urgency_from="model")
-    analyzer = Analyzer(engine, trace.NoOpTracer(), max_new_tokens=512, attempts=2, policy=asks_all)
+    analyzer = Analyzer(
+        EmbeddedBackend(engine), trace.NoOpTracer(), max_new_tokens=512, attempts=2, policy=asks_all
+    )
     results: dict[str, Any] = {
         "model": engine.model_id,
         "dtype": str(engine.loaded.dtype),

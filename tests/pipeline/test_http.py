@@ -12,6 +12,7 @@ import pytest
 
 from engine import Engine, SamplingParams
 from engine.tiny import build_tiny
+from pipeline.backends import EmbeddedBackend
 from pipeline.front import Front, router
 from pipeline.http import serve_status
 from pipeline.http_guard import HttpGuard
@@ -62,7 +63,7 @@ async def test_kv_compression_switch_changes_status_and_the_engines_memory(
     monkeypatch.setenv("DTYPE", "float32")
     settings = load_settings()
     engine = Engine(settings.engine_config(Path("unused")), build_tiny("qwen2"))
-    service = Service(settings, engine, telemetry)
+    service = Service(settings, EmbeddedBackend(engine), telemetry)
     ratios = []
     async with engine, serve_status(service.status, "127.0.0.1", 0) as port, httpx.AsyncClient() as client:
         prompt = engine.format_chat([{"role": "user", "content": "The invoice was wrong. " * 12}])
