@@ -21,7 +21,7 @@ from engine import Engine, EngineConfig, SamplingParams
 from engine.config import KVKernel
 from engine.loader import LoadedModel
 from prompts import render
-from schemas import DocumentKind, Language
+from schemas import BUILT_IN_KINDS, DocumentKind, Language
 
 CORPUS = Path(__file__).with_name("data") / "corpus.jsonl"
 # a warm-up request's ids: no workload prompt starts so, so it leaves nothing of the workload cached
@@ -108,7 +108,7 @@ def load_prompts(tokenizer: Any, count: int) -> list[list[int]]:
 
 def prompt_ids(tokenizer: Any, doc: dict[str, Any]) -> list[int]:
     """A corpus document's prompt as the service renders it, as token ids."""
-    prompt = render(DocumentKind(doc["kind"]), Language(doc["language"]), doc["text"])
+    prompt = render(BUILT_IN_KINDS[DocumentKind(doc["kind"])], Language(doc["language"]), doc["text"])
     ids = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 

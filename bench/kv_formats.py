@@ -217,13 +217,13 @@ def continuations(
 ) -> list[tuple[torch.Tensor, int]]:
     """Each document's narrative prompt followed by the model's greedy continuation."""
     from prompts import render
-    from schemas import DocumentKind, Language, Polarity
+    from schemas import BUILT_IN_KINDS, Language, Polarity
 
     out = []
     for doc in docs:
         polarity = Polarity(doc.get("label_polarity", "neutral"))
         messages = render(
-            DocumentKind(doc["kind"]), Language(doc["language"]), doc["text"], polarity
+            BUILT_IN_KINDS[doc["kind"]], Language(doc["language"]), doc["text"], polarity
         ).messages
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         prompt = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])

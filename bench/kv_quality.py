@@ -44,7 +44,7 @@ from pipeline.analyzer import Analyzer
 from pipeline.backends import EmbeddedBackend
 from pipeline.codec import Document
 from prompts import AnalysisParseError, parse_narrative, render
-from schemas import DocumentKind, Language, Polarity, SourceCoordinates, narrative_json_schema
+from schemas import BUILT_IN_KINDS, DocumentKind, Language, Polarity, SourceCoordinates, narrative_json_schema
 
 CORPUS = Path(__file__).with_name("data") / "kv-corpus.jsonl"
 
@@ -136,7 +136,9 @@ async def analysis_pass(
     async def one(index: int, doc: dict[str, Any]) -> DocResult:
         kind, language = DocumentKind(doc["kind"]), Language(doc["language"])
         labels = await analyzer.label(kind, language, doc["text"])
-        ids = engine.format_chat(render(kind, language, doc["text"], labels.polarity).messages)
+        ids = engine.format_chat(
+            render(BUILT_IN_KINDS[kind], language, doc["text"], labels.polarity).messages
+        )
         rows_ids: list[torch.Tensor] = []
         rows_logp: list[torch.Tensor] = []
         last: dict[str, tuple[int, int]] = {}
@@ -194,7 +196,7 @@ async def teacher_forced_pass(
         kind, language = DocumentKind(doc["kind"]), Language(doc["language"])
         analysed = reference[i].analysis  # the reference's prompt names the polarity it decided
         polarity = Polarity(analysed["sentiment"]["polarity"]) if analysed else Polarity.NEUTRAL
-        ids = engine.format_chat(render(kind, language, doc["text"], polarity).messages)
+        ids = engine.format_chat(render(BUILT_IN_KINDS[kind], language, doc["text"], polarity).messages)
         kls: list[float] = []
         top1: list[bool] = []
 

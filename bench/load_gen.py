@@ -154,7 +154,7 @@ class Sender:
             meta = await ack
             return Sent(
                 answer_id(meta, value, now_ms), document_id, self.config, level,
-                department, doc.kind.value, doc.language.value, len(doc.text), now_ms,
+                department, doc.kind, doc.language.value, len(doc.text), now_ms,
             )  # fmt: skip
 
         return asyncio.ensure_future(acknowledged())

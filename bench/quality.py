@@ -40,7 +40,7 @@ from pipeline.codec import Document
 from pipeline.triage import triage_of
 from prompts import Question, hygiene, questions, screen
 from prompts.render import POLARITY_QUESTIONS
-from schemas import ANSWER_BOUNDS, Category, DocumentKind, Language, Urgency
+from schemas import ANSWER_BOUNDS, BUILT_IN_KINDS, Category, DocumentKind, Language, Urgency
 
 TEAM = Path(__file__).with_name("data") / "team-complaints.jsonl"
 T = TypeVar("T")
@@ -234,7 +234,8 @@ def tune(rows: list[dict[str, Any]], priors: dict[str, dict[str, list[float]]]) 
 def questions_by_language(languages: Iterable[str]) -> dict[str, dict[str, Question]]:
     """Each language's labelling questions by name (their prompts are not needed to replay scores)."""
     return {
-        lang: {q.name: q for q in questions(DocumentKind.FILING, Language(lang), "")} for lang in languages
+        lang: {q.name: q for q in questions(BUILT_IN_KINDS[DocumentKind.FILING], Language(lang), "")}
+        for lang in languages
     }
 
 

@@ -64,9 +64,9 @@ async def run(model: Path, max_batch: int) -> list[dict[str, object]]:
             try:
                 outcome = await analyzer.analyze(document, started)
             except AnalysisFailed as exc:
-                return {"id": document.document_id, "kind": document.kind.value, "language": document.language.value,
+                return {"id": document.document_id, "kind": document.kind, "language": document.language.value,
                         "valid": False, "attempts": exc.attempts, "error": str(exc), "raw": exc.raw_output}  # fmt: skip
-            return {"id": document.document_id, "kind": document.kind.value, "language": document.language.value,
+            return {"id": document.document_id, "kind": document.kind, "language": document.language.value,
                     "valid": True, "attempts": outcome.attempts, "output_tokens": outcome.output_tokens,
                     "seconds": time.perf_counter() - started, "analysis": outcome.analysis.model_dump(mode="json")}  # fmt: skip
 

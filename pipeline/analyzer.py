@@ -41,10 +41,12 @@ from prompts import (
 )
 from prompts.render import CONTENT_FREE, POLARITY_QUESTIONS
 from schemas import (
+    BUILT_IN_KINDS,
     Analysis,
     Category,
     DeadLetterReason,
     DocumentKind,
+    KindSpec,
     Language,
     Narrative,
     Polarity,
@@ -223,14 +225,20 @@ class Analyzer:
         max_new_tokens: int,
         attempts: int,
         policy: LabelPolicy | None = None,
+        kinds: Mapping[str, KindSpec] = BUILT_IN_KINDS,
     ) -> None:
         self.engine = engine
         self.policy = policy or LabelPolicy()
         self.tracer = tracer
+        self.kinds = kinds
+        # Per (kind, language): the narrative's sampling, under its JSON Schema (the kind's own
+        # fields make it differ by kind).
         self.params = {
-            language: SamplingParams(
-                max_new_tokens=max_new_tokens, json_schema=json.dumps(narrative_json_schema(language))
+            (name, language): SamplingParams(
+                max_new_tokens=max_new_tokens,
+                json_schema=json.dumps(narrative_json_schema(language, spec.fields)),
             )
+            for name, spec in kinds.items()
             for language in Language
         }
         self.attempts = attempts
@@ -239,14 +247,16 @@ class Analyzer:
         self._priors: dict[tuple[Language, str], asyncio.Future[list[float]]] = {}
 
     async def prepare(self) -> None:
-        """Compiles each language's grammar and measures the calibration priors ahead of the
-        first documents, one at a time (a grammar takes seconds; a document whose grammar is not
-        ready yet waits for it)."""
-        for params in self.params.values():
-            if params.json_schema is not None:
-                await self.engine.prepare(params.json_schema)
+        """Compiles each distinct grammar (kind x language) and measures the calibration priors
+        ahead of the first documents, one at a time (a grammar takes seconds; a document whose
+        grammar is not ready yet waits for it)."""
+        for schema in dict.fromkeys(p.json_schema for p in self.params.values()):
+            if schema is not None:
+                await self.engine.prepare(schema)
         for language in Language:
-            for question in self._asked(DocumentKind.COMPLAINT, language, "").values():
+            # The questions of a triaged kind: every question there is (their prompts do not
+            # depend on the kind, so neither do their priors).
+            for question in self._asked(BUILT_IN_KINDS[DocumentKind.COMPLAINT], language, "").values():
                 if question.calibrate:
                     await self._prior(language, question.name)
 
@@ -266,7 +276,9 @@ class Analyzer:
         """The policy's fixed prior for the question, else its option probabilities averaged over
         the content-free inputs."""
         asked = [
-            next(q for q in questions(DocumentKind.COMPLAINT, language, text) if q.name == name)
+            next(
+                q for q in questions(BUILT_IN_KINDS[DocumentKind.COMPLAINT], language, text) if q.name == name
+            )
             for text in CONTENT_FREE
         ]
         if (fixed := self.policy.fixed_prior(language.value, asked[0])) is not None:
@@ -280,24 +292,24 @@ class Analyzer:
         except EngineError as exc:
             raise AnalysisFailed(DeadLetterReason.GENERATION_FAILED, str(exc), None, 1) from exc
 
-    async def scores(self, kind: DocumentKind, language: Language, text: str) -> Scored:
+    async def scores(self, kind: str, language: Language, text: str) -> Scored:
         """Every labelling question of a (screened) document scored: polarity first, whose
         prompt's blocks the other questions then find in the engine's prefix cache."""
-        asked = self._asked(kind, language, text)
+        asked = self._asked(self.kinds[kind], language, text)
         lead, *names = asked
         first = await self._score(asked[lead])
         rest = await asyncio.gather(*(self._score(asked[n]) for n in names))
         priors = {n: await self._prior(language, n) for n, q in asked.items() if q.calibrate}
         return Scored(asked, {lead: first, **dict(zip(names, rest, strict=True))}, priors)
 
-    def _asked(self, kind: DocumentKind, language: Language, text: str) -> dict[str, Question]:
+    def _asked(self, kind: KindSpec, language: Language, text: str) -> dict[str, Question]:
         """The questions the policy uses, a side question first."""
         unused = set(POLARITY_QUESTIONS) - set(self.policy.polarity_questions)
         if self.policy.urgency_from == "rules":
             unused.add("urgency")
         return {q.name: q for q in questions(kind, language, text) if q.name not in unused}
 
-    async def label(self, kind: DocumentKind, language: Language, text: str) -> Labels:
+    async def label(self, kind: str, language: Language, text: str) -> Labels:
         """The labels of a (screened) document."""
         return decide(await self.scores(kind, language, text), self.policy)
 
@@ -310,7 +322,7 @@ class Analyzer:
         with self.tracer.start_as_current_span("analyze") as span:
             span.set_attributes(
                 {
-                    "deepanalyze.document.kind": document.kind.value,
+                    "deepanalyze.document.kind": document.kind,
                     "deepanalyze.document.language": document.language.value,
                     "deepanalyze.document.chars": len(document.text),
                     "deepanalyze.suspected_injection": screened.suspected,
@@ -324,9 +336,12 @@ class Analyzer:
                         "deepanalyze.polarity.confidence": labels.confidence,
                     }
                 )
-            prompt = render(document.kind, document.language, screened.text, labels.polarity)
+            kind = self.kinds[document.kind]
+            prompt = render(kind, document.language, screened.text, labels.polarity)
             for attempt in range(1, self.attempts + 1):
-                result, submitted = await self._generate(prompt, self.params[document.language], attempt)
+                result, submitted = await self._generate(
+                    prompt, self.params[kind.name, document.language], attempt
+                )
                 prompt_tokens += result.prompt_tokens
                 output_tokens += result.output_tokens
                 batch_size = max(batch_size, result.batch_size)
@@ -337,7 +352,7 @@ class Analyzer:
                         tpot = (result.total_s - result.ttft_s) / (result.output_tokens - 1)
                 raw = result.text
                 try:
-                    narrative = parse_narrative(raw, document.language, screened.text)
+                    narrative = parse_narrative(raw, document.language, screened.text, kind.fields)
                 except AnalysisParseError as exc:
                     span.add_event("invalid_output", {"attempt": attempt, "error": str(exc)[:500]})
                     if attempt == self.attempts:
@@ -348,7 +363,7 @@ class Analyzer:
                     prompt = render_repair(prompt, raw, str(exc))
                     continue
                 span.set_attribute("deepanalyze.attempts", attempt)
-                analysis = self.assemble(document, narrative, labels, screened.excerpts)
+                analysis = self.assemble(document, kind, narrative, labels, screened.excerpts)
                 return AnalysisOutcome(
                     analysis, attempt, prompt_tokens, output_tokens, *first, batch_size, tpot
                 )
@@ -356,12 +371,12 @@ class Analyzer:
 
     @staticmethod
     def assemble(
-        document: Document, narrative: Narrative, labels: Labels, excerpts: Sequence[str]
+        document: Document, kind: KindSpec, narrative: Narrative, labels: Labels, excerpts: Sequence[str]
     ) -> Analysis:
-        """The analysis: the model's narrative and labels; for a complaint the triage, by the
-        urgency rule (or the model's urgency) and the safety floor over the whole text."""
+        """The analysis: the model's narrative and labels; for a triaged kind (complaints) the
+        triage, by the urgency rule (or the model's urgency) and the safety floor over the whole text."""
         triage = None
-        if document.kind is DocumentKind.COMPLAINT:
+        if kind.triage:
             category = labels.category or Category.OTHER
             triage = triage_of(document.text, document.language, category, labels.urgency)
         return Analysis(
@@ -375,6 +390,7 @@ class Analyzer:
                 confidence=labels.confidence,
             ),
             triage=triage,
+            fields=narrative.fields,
             suspected_injection=bool(excerpts),
             injection_excerpts=list(excerpts[:8]),
         )

@@ -104,6 +104,7 @@ class Answerer:
                 raw,
                 default_kind=self.settings.input_topics[raw.topic],
                 max_chars=self.settings.max_document_chars,
+                kinds=self.settings.kinds,
             )
         except RecordError as exc:
             log.info("dead letter %s: %s", where, exc.reason.value)
@@ -132,10 +133,10 @@ class Answerer:
 
     async def _analyze(self, document: Document, consumed_at: float) -> AnalysisEvent:
         outcome = await self.analyzer.analyze(document, consumed_at)
-        self.metrics.ttft.record(outcome.ttft_s, {"kind": document.kind.value})
+        self.metrics.ttft.record(outcome.ttft_s, {"kind": document.kind})
         self.metrics.batch_size.record(outcome.batch_size)
         if outcome.tpot_s is not None:
-            self.metrics.tpot.record(outcome.tpot_s, {"kind": document.kind.value})
+            self.metrics.tpot.record(outcome.tpot_s, {"kind": document.kind})
         self.metrics.tokens.add(outcome.prompt_tokens, {"type": "input"})
         self.metrics.tokens.add(outcome.output_tokens, {"type": "output"})
         return AnalysisEvent(

@@ -19,7 +19,6 @@ from rich.console import Console
 
 from pipeline.logs import setup_logging
 from pipeline.settings import Settings, SettingsError, load_settings, unknown_variables
-from schemas import DocumentKind
 
 log = logging.getLogger("deepanalyze")
 
@@ -53,7 +52,7 @@ async def _broker(port: int, data: Path | None) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class PublishOptions:
-    kind: DocumentKind | None
+    kind: str | None
     lines: bool
     topic: str | None
     key: bytes | None
@@ -89,7 +88,7 @@ async def _publish(settings: Settings, paths: list[Path], options: PublishOption
         shown = ", ".join(kindless[:3]) + (f" and {len(kindless) - 3} more" if len(kindless) > 3 else "")
         raise ValueError(
             f"plain text has no kind ({shown}): pass --kind "
-            + "|".join(k.value for k in DocumentKind)
+            + "|".join(settings.kinds)
             + ", or --topic for the topic it belongs on"
         )
     from pipeline.telemetry import setup_telemetry
@@ -166,7 +165,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     publish.add_argument("paths", nargs="+", type=Path)
     publish.add_argument(
-        "--kind", choices=[k.value for k in DocumentKind], help="the documents' kind (overrides their own)"
+        "--kind",
+        help="the documents' kind (overrides their own): complaint, meeting_notes, filing, or KINDS_FILE's",
     )
     publish.add_argument(
         "--lines", action="store_true", help="one document per line (text, or JSON from '{')"
@@ -213,7 +213,10 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "broker":
             asyncio.run(_broker(args.port, args.data))
         elif args.command == "publish":
-            kind = DocumentKind(args.kind) if args.kind else None
+            kind = args.kind
+            if kind is not None and kind not in settings.kinds:
+                console.print(f"[red]unknown kind {kind!r}: one of {', '.join(settings.kinds)}[/red]")
+                return 2
             key = args.key.encode("utf-8") if args.key is not None else None
             options = PublishOptions(kind, args.lines, args.topic, key, args.header)
             asyncio.run(_publish(settings, args.paths, options))

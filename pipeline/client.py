@@ -61,13 +61,13 @@ def answer_id(
     return event_id_for(meta.topic, meta.partition, meta.offset, timestamp, value)
 
 
-def _json_document(data: str | bytes, kind: DocumentKind | None) -> DocumentEvent:
+def _json_document(data: str | bytes, kind: str | None) -> DocumentEvent:
     """A DocumentEvent in JSON, its kind replaced by `kind` when one is given."""
     event = DocumentEvent.model_validate_json(data)
     return event.model_copy(update={"kind": kind}) if kind else event
 
 
-def documents_from_lines(text: str, source: str, kind: DocumentKind | None = None) -> list[DocumentEvent]:
+def documents_from_lines(text: str, source: str, kind: str | None = None) -> list[DocumentEvent]:
     """One document per non-blank line: a line that begins with "{" is a DocumentEvent in JSON,
     any other its text (id: `source` and the line's number)."""
     documents = []
@@ -85,7 +85,7 @@ def documents_from_lines(text: str, source: str, kind: DocumentKind | None = Non
 
 
 def load_documents(
-    paths: Iterable[Path], kind: DocumentKind | None = None, *, lines: bool = False
+    paths: Iterable[Path], kind: str | None = None, *, lines: bool = False
 ) -> list[DocumentEvent]:
     """`*.json` files as DocumentEvents, anything else as plain text (id = file name); folders expand.
     With `lines`, every file holds one document per line (`documents_from_lines`)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -19,10 +20,10 @@ from pydantic import ValidationError
 
 from prompts import detect_language
 from schemas import (
+    BUILT_IN_KINDS,
     DeadLetter,
     DeadLetterReason,
     DocumentEvent,
-    DocumentKind,
     Header,
     Language,
     SourceCoordinates,
@@ -93,7 +94,7 @@ class Document:
 
     event_id: str
     document_id: str
-    kind: DocumentKind
+    kind: str  # one of the worker's kinds (`Settings.kinds`)
     language: Language
     text: str
     source: SourceCoordinates
@@ -121,7 +122,10 @@ def document_id_from_key(key: bytes | None) -> str | None:
     return text
 
 
-def decode_document(record: RawRecord, *, default_kind: DocumentKind, max_chars: int) -> Document:
+def decode_document(
+    record: RawRecord, *, default_kind: str, max_chars: int, kinds: Collection[str] = BUILT_IN_KINDS
+) -> Document:
+    """The record's document: its kind the one it names (one of `kinds`) or its topic's."""
     value = record.value
     if value is None:
         raise RecordError(DeadLetterReason.EMPTY_TEXT, "the record has no value")
@@ -141,12 +145,18 @@ def decode_document(record: RawRecord, *, default_kind: DocumentKind, max_chars:
         raise RecordError(
             DeadLetterReason.TOO_LONG, f"the document has {len(text)} characters; the limit is {max_chars}"
         )
+    kind = (event.kind if event and event.kind else None) or default_kind
+    if kind not in kinds:
+        raise RecordError(
+            DeadLetterReason.SCHEMA_VIOLATION,
+            f"kind {kind!r} is not one this worker knows ({', '.join(kinds)}; more come from KINDS_FILE)",
+        )
     return Document(
         event_id=record.event_id,
         document_id=(event.document_id if event and event.document_id else None)
         or document_id_from_key(record.key)
         or f"{record.topic}/{record.partition}/{record.offset}",
-        kind=(event.kind if event and event.kind else None) or default_kind,
+        kind=kind,
         language=(event.language if event and event.language else None) or detect_language(text),
         text=text,
         source=record.source,

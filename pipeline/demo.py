@@ -98,7 +98,7 @@ async def run_demo(console: Console, timeout_s: float) -> int:
             t = answer.timings
             summary.add_row(
                 answer.document_id,
-                answer.kind.value,
+                answer.kind,
                 answer.language.value,
                 "[green]analysis[/green]",
                 f"{t.time_to_first_token_ms / 1000:.1f} s",

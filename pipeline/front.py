@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from fastapi import APIRouter, Header, Query
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from opentelemetry import trace
 from pydantic import BaseModel, Field
@@ -31,6 +32,7 @@ from pipeline.kafka import make_producer
 from pipeline.settings import Settings
 from schemas import AnalysisEvent, DocumentEvent, DocumentKind, Language
 from schemas.events import NonEmptyStr
+from schemas.kinds import KindName
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +42,10 @@ _EVENT_ID = re.compile(r"[0-9]{1,18}")  # a Last-Event-ID we could have sent
 
 class AnalyzeRequest(BaseModel):
     text: NonEmptyStr = Field(description="The document. Longer than MAX_DOCUMENT_CHARS: 413.")
-    kind: DocumentKind = DocumentKind.COMPLAINT
+    kind: KindName = Field(
+        default=DocumentKind.COMPLAINT.value,
+        description="One of the worker's kinds (built in or KINDS_FILE's).",
+    )
     language: Language | None = Field(default=None, description="Detected from the text when absent.")
     wait: bool = Field(default=True, description="Wait for the analysis (200), or return at once (202).")
     timeout_s: float = Field(default=120.0, ge=1, le=900, description="How long to wait before 504.")
@@ -153,6 +158,11 @@ def router(front: Front) -> APIRouter:
                 f"the document has {len(request.text)} characters; the limit is {max_chars}. "
                 "Shorten it, or send it in parts.",
             )
+        if request.kind not in front.settings.kinds:  # a validation error of the body, as any other
+            known = ", ".join(front.settings.kinds)
+            problem = {"loc": ("body", "kind"), "msg": f"not a kind of this worker: one of {known}",
+                       "type": "value_error", "input": request.kind}  # fmt: skip
+            raise RequestValidationError([problem])
         try:
             accepted = await front.publish(request)
         except (KafkaError, OSError, TimeoutError) as exc:
@@ -225,6 +235,14 @@ def router(front: Front) -> APIRouter:
     @api.get("/triage", include_in_schema=False)
     async def triage() -> FileResponse:
         return FileResponse(STATIC / "triage.html")
+
+    @api.get("/api/kinds")
+    async def kinds() -> list[dict[str, Any]]:
+        """The kinds this worker analyses: built in and KINDS_FILE's, with their own fields."""
+        return [
+            {"name": k.name, "title": k.title.model_dump(), "triage": k.triage, "fields": list(k.fields)}
+            for k in front.settings.kinds.values()
+        ]
 
     @api.get("/api/limits")
     async def limits() -> dict[str, int]:

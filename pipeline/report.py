@@ -82,7 +82,7 @@ def render_event(event: AnalysisEvent) -> RenderableType:
             style="dim",
         )
     )
-    title = f"{event.document_id}  [{event.kind.value}, {event.language.value}]"
+    title = f"{event.document_id}  [{event.kind}, {event.language.value}]"
     return Panel(Group(*parts), title=title, title_align="left")
 
 

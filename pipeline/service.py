@@ -95,6 +95,7 @@ class Service:
             max_new_tokens=settings.max_new_tokens,
             attempts=settings.generation_attempts,
             policy=label_policy(settings),
+            kinds=settings.kinds,
         )
         self.tracker = OffsetTracker()
         self.start_offsets: dict[TopicPartition, int] = {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import ipaddress
 import os
+from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -17,7 +18,8 @@ from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_va
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from engine.config import EngineConfig, EngineOptions
-from schemas import DocumentKind
+from pipeline.kinds import read_kinds
+from schemas.kinds import KindSpec, built_in_kinds
 
 
 class SettingsError(ValueError):
@@ -45,6 +47,9 @@ class Settings(BaseSettings, EngineOptions):
     topic_complaints: str = "docs.complaints"
     topic_meeting_notes: str = "docs.meeting-notes"
     topic_filings: str = "docs.filings"
+    kinds_file: Path | None = Field(
+        default=None, description="TOML file of further document kinds (deploy/kinds.example.toml)."
+    )
     topic_analysis: str = "analysis.events"
     topic_dead_letters: str = "analysis.dlq"
     topic_partitions: int = Field(default=3, ge=1, le=1024)
@@ -186,17 +191,19 @@ class Settings(BaseSettings, EngineOptions):
         """The engine's configuration: these settings' engine options and the model found."""
         return EngineConfig.of(self, model_path)
 
-    @property
-    def input_topics(self) -> dict[str, DocumentKind]:
-        """Each input topic and the kind its plain-text documents default to."""
-        return {
-            self.topic_complaints: DocumentKind.COMPLAINT,
-            self.topic_meeting_notes: DocumentKind.MEETING_NOTES,
-            self.topic_filings: DocumentKind.FILING,
-        }
+    @cached_property
+    def kinds(self) -> dict[str, KindSpec]:
+        """The kinds served: the three built in, on TOPIC_*, and KINDS_FILE's (checked at start)."""
+        built_in = built_in_kinds(self.topic_complaints, self.topic_meeting_notes, self.topic_filings)
+        return read_kinds(self.kinds_file, built_in, (self.topic_analysis, self.topic_dead_letters))
 
-    def topic_for(self, kind: DocumentKind) -> str:
-        return {kind_: topic for topic, kind_ in self.input_topics.items()}[kind]
+    @property
+    def input_topics(self) -> dict[str, str]:
+        """Each input topic and the kind its plain-text documents default to."""
+        return {spec.topic: name for name, spec in self.kinds.items()}
+
+    def topic_for(self, kind: str) -> str:
+        return self.kinds[kind].topic
 
     @property
     def all_topics(self) -> list[str]:
@@ -246,6 +253,11 @@ class Settings(BaseSettings, EngineOptions):
             )
         if self.kafka_ssl_cafile is not None and not self.kafka_ssl_cafile.is_file():
             raise ValueError(f"KAFKA_SSL_CAFILE={self.kafka_ssl_cafile} is not a file")
+        return self
+
+    @model_validator(mode="after")
+    def _kinds_readable(self) -> Settings:
+        _ = self.kinds  # read and checked now: a bad file stops the worker at start, not at a document
         return self
 
     @model_validator(mode="after")

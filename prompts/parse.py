@@ -7,12 +7,14 @@ about the shape itself: the result always validates against `schemas.Analysis`.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import ValidationError
 
 from prompts.hygiene import foreign_words, is_label_viewpoint, sort_layers, trim_cut
-from schemas import ANSWER_BOUNDS, Analysis, DocumentKind, Language, Narrative
+from schemas import ANSWER_BOUNDS, Analysis, AnswerField, DocumentKind, Language, Narrative
+from schemas.events import ANSWER_MAX_ITEMS
 
 
 class AnalysisParseError(ValueError):
@@ -59,26 +61,64 @@ def _problems(exc: ValidationError) -> str:
     )
 
 
-def parse_analysis(raw: str, kind: DocumentKind) -> Analysis:
+def parse_analysis(raw: str, kind: str) -> Analysis:
     value = _normalise(_first_json_object(raw))
     if not isinstance(value, dict):
         raise AnalysisParseError("the JSON value is not an object", raw)
-    if kind is not DocumentKind.COMPLAINT:
+    if kind != DocumentKind.COMPLAINT:
         value.pop("triage", None)
     try:
         analysis = Analysis.model_validate(value)
     except ValidationError as exc:
         raise AnalysisParseError(f"schema violation: {_problems(exc)}", raw) from exc
-    if kind is DocumentKind.COMPLAINT and analysis.triage is None:
+    if kind == DocumentKind.COMPLAINT and analysis.triage is None:
         raise AnalysisParseError("schema violation: triage: required for complaints", raw)
     return analysis
 
 
-def parse_narrative(raw: str, language: Language, document: str) -> Narrative:
+def _own_fields(
+    answers: Any, fields: Mapping[str, AnswerField], language: Language
+) -> tuple[dict[str, Any], list[str]]:
+    """The answers to a kind's own fields, texts trimmed like the report's items, and what is
+    wrong with them (missing, of another type). Fields the kind does not have are dropped."""
+    if not fields:
+        return {}, []
+    if not isinstance(answers, dict):
+        return {}, [f"fields: an object with {', '.join(fields)} is required"]
+    bound = ANSWER_BOUNDS[language].item
+    kept: dict[str, Any] = {}
+    problems = []
+    for name, field in fields.items():
+        answer = answers.get(name)
+        if field.type == "boolean" and isinstance(answer, bool):
+            kept[name] = answer
+        elif field.type == "text" and isinstance(answer, str) and answer.strip():
+            kept[name] = trim_cut(answer.strip(), bound, language)
+        elif field.type == "list" and isinstance(answer, list):
+            items = [trim_cut(i.strip(), bound, language) for i in answer if isinstance(i, str) and i.strip()]
+            kept[name] = items[:ANSWER_MAX_ITEMS]
+        else:
+            problems.append(
+                f"fields.{name}: {'missing' if answer is None else 'must be'} {_TYPES[field.type]}"
+            )
+    return kept, problems
+
+
+_TYPES = {
+    "text": "a non-empty text",
+    "list": "a list of texts",
+    "boolean": "true or false",
+}  # what each must be
+
+
+def parse_narrative(
+    raw: str, language: Language, document: str, fields: Mapping[str, AnswerField] | None = None
+) -> Narrative:
     """The model's narrative, cleaned by the hygiene rules (`prompts.hygiene`): fields that ran
     into their bound trimmed to a word boundary; filler, repeated and foreign-language items
     dropped; data without a figure moved to facts. Refused (for the repair attempt) when the
-    viewpoint or the rationale is a label or mixes languages, which no trimming can fix."""
+    viewpoint or the rationale is a label or mixes languages, which no trimming can fix, or when
+    an answer to one of the kind's own `fields` is missing or of the wrong type."""
     value = _first_json_object(raw)
     if not isinstance(value, dict):
         raise AnalysisParseError("the JSON value is not an object", raw)
@@ -102,6 +142,8 @@ def parse_narrative(raw: str, language: Language, document: str) -> Narrative:
         value[name] = text = trim_cut(text.strip(), bound, language)
         if words := foreign_words(text, language, document):
             problems.append(f"{name}: write it in one language (found {', '.join(words[:3])})")
+    value["fields"], wrong = _own_fields(value.get("fields"), fields or {}, language)
+    problems += wrong
     viewpoint = value.get("core_viewpoint")
     if isinstance(viewpoint, str) and viewpoint.strip() and is_label_viewpoint(viewpoint, language):
         problems.append("core_viewpoint: state the writer's position in a full sentence, not a label")

@@ -18,7 +18,7 @@ from functools import cache
 from importlib import resources
 from string import Template
 
-from schemas import CATEGORY_LABELS, URGENCY_CRITERIA, Category, DocumentKind, Language, Polarity, Urgency
+from schemas import CATEGORY_LABELS, URGENCY_CRITERIA, Category, KindSpec, Language, Polarity, Urgency
 
 # CJK Unified Ideographs (+ extension A) and CJK punctuation / full-width forms.
 _CJK = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\u3000-\u303f\uff00-\uffef]")
@@ -28,10 +28,16 @@ _OPEN_TAG = re.compile(r"<\s*document\s*>", re.IGNORECASE)
 
 Message = dict[str, str]
 
-KIND_NAMES = {
-    Language.ZH: {DocumentKind.COMPLAINT: "客户投诉", DocumentKind.MEETING_NOTES: "会议纪要", DocumentKind.FILING: "财务披露文件"},
-    Language.EN: {DocumentKind.COMPLAINT: "customer complaint", DocumentKind.MEETING_NOTES: "meeting notes", DocumentKind.FILING: "financial filing"},
+# How a kind's own answer field is described to the model, by its type, and shown in the shape.
+_FIELD_HINTS = {
+    Language.ZH: {"text": "简短文字", "list": "最多 3 条简短文字的列表，没有就写 []", "boolean": "true 或 false"},
+    Language.EN: {"text": "a short text", "list": "a list of up to 3 short texts, [] when none", "boolean": "true or false"},
 }  # fmt: skip
+_FIELD_RULE = {
+    Language.ZH: '  - "{name}"：{description}（{hint}）',
+    Language.EN: '  - "{name}": {description} ({hint})',
+}
+_FIELD_SHAPES = {"text": '"..."', "list": '["..."]', "boolean": "false"}
 POLARITY_WORDS = {
     Language.ZH: {Polarity.POSITIVE: "正面", Polarity.NEGATIVE: "负面", Polarity.NEUTRAL: "中性"},
     Language.EN: {Polarity.POSITIVE: "positive", Polarity.NEGATIVE: "negative", Polarity.NEUTRAL: "neutral"},
@@ -54,7 +60,7 @@ _URGENCY_WORDS = {
 
 @dataclass(frozen=True)
 class Prompt:
-    kind: DocumentKind
+    kind: str
     language: Language
     messages: list[Message]
 
@@ -122,7 +128,7 @@ def _system(language: Language) -> str:
     )
 
 
-def _prompt(kind: DocumentKind, language: Language, text: str, task: str) -> Prompt:
+def _prompt(kind: str, language: Language, text: str, task: str) -> Prompt:
     user = _template(language, "document").substitute(document=fence(text.strip()), task=task)
     system = _system(language)
     messages = [
@@ -141,50 +147,62 @@ def _prompt(kind: DocumentKind, language: Language, text: str, task: str) -> Pro
 CONTENT_FREE = ("N/A", "", "[text]")
 
 
-def questions(kind: DocumentKind, language: Language, text: str) -> list[Question]:
+def questions(kind: KindSpec, language: Language, text: str) -> list[Question]:
     """The labelling questions for a document, polarity first (the others reuse its prefix).
     Polarity is asked as positive or negative; `attitude` (does the text evaluate at all?) decides
-    neutral, which is narrow: a text that takes any side is not neutral."""
+    neutral, which is narrow: a text that takes any side is not neutral. A triaged kind is also
+    asked its queue and urgency."""
     yes, no = _YES_NO[language]
     words = POLARITY_WORDS[language]
     sides = (Polarity.POSITIVE, Polarity.NEGATIVE)
+
+    def ask(name: str) -> Prompt:
+        return _prompt(kind.name, language, text, _template(language, f"ask_{name}").template)
+
     asked = [
-        Question("polarity", _prompt(kind, language, text, _template(language, "ask_polarity").template),
-                 tuple(words[p] for p in sides), tuple(p.value for p in sides), calibrate=True),
+        Question("polarity", ask("polarity"), tuple(words[p] for p in sides), tuple(p.value for p in sides),
+                 calibrate=True),
         # The same side asked twice more: with the answer words in the other order, and as "good or
         # bad for those concerned" (news about a firm has no writer's attitude to read).
-        Question("polarity_reversed",
-                 _prompt(kind, language, text, _template(language, "ask_polarity_reversed").template),
-                 tuple(words[p] for p in sides), tuple(p.value for p in sides), calibrate=True),
-        Question("outcome", _prompt(kind, language, text, _template(language, "ask_outcome").template),
-                 _GOOD_BAD[language], tuple(p.value for p in sides), calibrate=True),
-        Question("attitude", _prompt(kind, language, text, _template(language, "ask_attitude").template),
-                 (yes, no), ("true", "false"), calibrate=True),
-        Question("doubt", _prompt(kind, language, text, _template(language, "ask_doubt").template),
-                 (yes, no), ("true", "false")),
-        Question("expectation", _prompt(kind, language, text, _template(language, "ask_expectation").template),
-                 (yes, no), ("true", "false")),
+        Question("polarity_reversed", ask("polarity_reversed"), tuple(words[p] for p in sides),
+                 tuple(p.value for p in sides), calibrate=True),
+        Question("outcome", ask("outcome"), _GOOD_BAD[language], tuple(p.value for p in sides), calibrate=True),
+        Question("attitude", ask("attitude"), (yes, no), ("true", "false"), calibrate=True),
+        Question("doubt", ask("doubt"), (yes, no), ("true", "false")),
+        Question("expectation", ask("expectation"), (yes, no), ("true", "false")),
     ]  # fmt: skip
-    if kind is DocumentKind.COMPLAINT:
+    if kind.triage:
         urgency = _URGENCY_WORDS[language]
         labels = [getattr(CATEGORY_LABELS[c], language.value) for c in Category]
         asked += [
-            Question("category", _prompt(kind, language, text, _template(language, "ask_category").template),
-                     tuple(labels), tuple(c.value for c in Category), calibrate=True),
-            Question("urgency", _prompt(kind, language, text, _template(language, "ask_urgency").template),
-                     tuple(urgency.values()), tuple(u.value for u in urgency), calibrate=True),
+            Question("category", ask("category"), tuple(labels), tuple(c.value for c in Category), calibrate=True),
+            Question("urgency", ask("urgency"), tuple(urgency.values()), tuple(u.value for u in urgency),
+                     calibrate=True),
         ]  # fmt: skip
     return asked
 
 
-def render(
-    kind: DocumentKind, language: Language, text: str, polarity: Polarity = Polarity.NEUTRAL
-) -> Prompt:
-    """The narrative prompt: viewpoint, key information and a rationale for `polarity`."""
-    task = _template(language, "narrative").substitute(
-        kind_name=KIND_NAMES[language][kind], polarity=POLARITY_WORDS[language][polarity]
+def render(kind: KindSpec, language: Language, text: str, polarity: Polarity = Polarity.NEUTRAL) -> Prompt:
+    """The narrative prompt: viewpoint, key information, a rationale for `polarity`, and the
+    kind's own fields; the kind's writing task (or the built-in one), then the answer's shape."""
+    written = kind.narrative.of(language.value) if kind.narrative is not None else None
+    task = Template(written or _template(language, "narrative").template).substitute(
+        kind_name=kind.title.of(language.value), polarity=POLARITY_WORDS[language][polarity]
     )
-    return _prompt(kind, language, text, task)
+    parts = [task]
+    if kind.fields:
+        rules = [
+            _FIELD_RULE[language].format(
+                name=name,
+                description=field.description.of(language.value),
+                hint=_FIELD_HINTS[language][field.type],
+            )
+            for name, field in kind.fields.items()
+        ]
+        parts.append(_template(language, "fields").substitute(rules="\n".join(rules)))
+    shape = ", ".join(f'"{name}": {_FIELD_SHAPES[field.type]}' for name, field in kind.fields.items())
+    parts.append(_template(language, "output").substitute(fields=f', "fields": {{{shape}}}' if shape else ""))
+    return _prompt(kind.name, language, text, "\n".join(parts))
 
 
 def render_repair(prompt: Prompt, previous_output: str, error: str) -> Prompt:

@@ -24,15 +24,18 @@ from schemas.events import (
     event_id_for,
     narrative_json_schema,
 )
+from schemas.kinds import BUILT_IN_KINDS, AnswerField, KindSpec, LocalText
 from schemas.taxonomy import CATEGORY_LABELS, URGENCY_CRITERIA, Category
 
 __all__ = [
     "ANSWER_BOUNDS",
+    "BUILT_IN_KINDS",
     "CATEGORY_LABELS",
     "SCHEMA_VERSION",
     "URGENCY_CRITERIA",
     "Analysis",
     "AnalysisEvent",
+    "AnswerField",
     "Category",
     "DeadLetter",
     "DeadLetterReason",
@@ -41,7 +44,9 @@ __all__ = [
     "EngineSettings",
     "Header",
     "KeyInformation",
+    "KindSpec",
     "Language",
+    "LocalText",
     "Narrative",
     "Polarity",
     "Sentiment",

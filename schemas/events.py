@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import hashlib
 import uuid
+from collections.abc import Mapping
 from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
+from schemas.kinds import AnswerField, FieldName, KindName
 from schemas.taxonomy import Category
 
-SCHEMA_VERSION: Literal["1.1"] = "1.1"
+# 1.2: `kind` is any configured kind's name (KINDS_FILE), no longer one of three; analyses carry
+# `fields`, the answers to a kind's own fields.
+SCHEMA_VERSION: Literal["1.2"] = "1.2"
 
 # Fixed namespace so that a record always maps to the same event id, on every worker and across
 # restarts: a re-delivered record yields the same id.
@@ -26,9 +30,13 @@ NonEmptyStr = Annotated[str, StringConstraints(strip_whitespace=True, min_length
 # Bounded so that a constrained decoder cannot loop inside one field or one list forever.
 Item = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=300)]
 MAX_ITEMS = 8
+# An answer to a kind's own field (`schemas.kinds.AnswerField`): a text, a list of texts, yes/no.
+FieldValue = Item | list[Item] | bool
 
 
 class DocumentKind(StrEnum):
+    """The built-in kinds; a worker may know more (`schemas.kinds`, KINDS_FILE)."""
+
     COMPLAINT = "complaint"
     MEETING_NOTES = "meeting_notes"
     FILING = "filing"
@@ -93,7 +101,11 @@ class DocumentEvent(_Wire):
     document_id: NonEmptyStr | None = Field(
         default=None, max_length=256, description="Defaults to the message key, else topic/partition/offset."
     )
-    kind: DocumentKind | None = Field(default=None, description="Defaults to the kind of the input topic.")
+    kind: KindName | None = Field(
+        default=None,
+        description="complaint, meeting_notes, filing, or a kind of the worker's KINDS_FILE; "
+        "defaults to the kind of the input topic.",
+    )
     text: NonEmptyStr
     language: Language | None = Field(default=None, description="Detected from the text when absent.")
     source_system: str | None = Field(default=None, max_length=256)
@@ -147,6 +159,10 @@ class Analysis(_Wire):
     key_information: KeyInformation
     sentiment: Sentiment
     triage: Triage | None = None
+    fields: dict[FieldName, FieldValue] = Field(
+        default_factory=dict,
+        description="Answers to the kind's own fields (KINDS_FILE); empty for built-in kinds.",
+    )
     suspected_injection: bool = Field(
         default=False, description="The document holds instruction-like text; it was withheld from the model."
     )
@@ -164,6 +180,7 @@ class Narrative(_Wire):
     core_viewpoint: Item
     key_information: KeyInformation
     rationale: Item
+    fields: dict[FieldName, FieldValue] = Field(default_factory=dict)
 
 
 class AnswerBounds(NamedTuple):
@@ -186,7 +203,7 @@ ANSWER_BOUNDS = {Language.ZH: AnswerBounds(120, 100, 80), Language.EN: AnswerBou
 ANSWER_MAX_ITEMS = 3
 
 
-def analysis_json_schema(kind: DocumentKind, language: Language = Language.EN) -> dict[str, Any]:
+def analysis_json_schema(kind: str, language: Language = Language.EN) -> dict[str, Any]:
     """The JSON Schema a model's answer must match for this kind and language: triage required for
     complaints, absent otherwise; lengths bounded. Handed to the engine's constrained decoder."""
     schema = Analysis.model_json_schema()
@@ -197,7 +214,8 @@ def analysis_json_schema(kind: DocumentKind, language: Language = Language.EN) -
         field_schema = schema["$defs"]["KeyInformation"]["properties"][name]
         field_schema["maxItems"] = ANSWER_MAX_ITEMS
         field_schema["items"]["maxLength"] = bounds.item
-    if kind is DocumentKind.COMPLAINT:
+    del schema["properties"]["fields"]  # the built-in kinds have none
+    if kind == DocumentKind.COMPLAINT:
         schema["properties"]["triage"] = {"$ref": "#/$defs/Triage"}
         schema["required"] = [*schema["required"], "triage"]
     else:
@@ -206,9 +224,11 @@ def analysis_json_schema(kind: DocumentKind, language: Language = Language.EN) -
     return schema
 
 
-def narrative_json_schema(language: Language) -> dict[str, Any]:
-    """The JSON Schema of what the model writes (`Narrative`), bounded per language; handed to
-    the engine's constrained decoder."""
+def narrative_json_schema(
+    language: Language, fields: Mapping[str, AnswerField] | None = None
+) -> dict[str, Any]:
+    """The JSON Schema of what the model writes (`Narrative`), bounded per language, with the
+    kind's own `fields` (all required) when it has any; handed to the engine's constrained decoder."""
     schema = Narrative.model_json_schema()
     bounds = ANSWER_BOUNDS[language]
     schema["properties"]["core_viewpoint"]["maxLength"] = bounds.viewpoint
@@ -217,6 +237,18 @@ def narrative_json_schema(language: Language) -> dict[str, Any]:
         field_schema = schema["$defs"]["KeyInformation"]["properties"][name]
         field_schema["maxItems"] = ANSWER_MAX_ITEMS
         field_schema["items"]["maxLength"] = bounds.item
+    if not fields:
+        del schema["properties"]["fields"]
+        return schema
+    text = {"type": "string", "minLength": 1, "maxLength": bounds.item}
+    shapes = {"text": text, "list": {"type": "array", "items": text, "maxItems": ANSWER_MAX_ITEMS}}
+    schema["properties"]["fields"] = {
+        "type": "object",
+        "properties": {name: shapes.get(f.type, {"type": "boolean"}) for name, f in fields.items()},
+        "required": list(fields),
+        "additionalProperties": False,
+    }
+    schema["required"] = [*schema["required"], "fields"]
     return schema
 
 
@@ -236,10 +268,10 @@ class EngineSettings(_Wire):
 
 
 class AnalysisEvent(_Wire):
-    schema_version: Literal["1.1"] = SCHEMA_VERSION
+    schema_version: Literal["1.2"] = SCHEMA_VERSION
     event_id: str
     document_id: str
-    kind: DocumentKind
+    kind: KindName
     language: Language
     analysis: Analysis
     model: str
@@ -258,7 +290,7 @@ class Header(_Wire):
 class DeadLetter(_Wire):
     """A record that could not be analysed: the reason, and everything needed to replay it."""
 
-    schema_version: Literal["1.1"] = SCHEMA_VERSION
+    schema_version: Literal["1.2"] = SCHEMA_VERSION
     event_id: str
     document_id: str | None = None
     source: SourceCoordinates

@@ -148,7 +148,7 @@ async def test_the_worker_answers_documents_through_the_server(
         event = found[0]
         assert isinstance(event, AnalysisEvent), event
         assert event.model == ALIAS and event.analysis.core_viewpoint
-        assert (event.kind is DocumentKind.COMPLAINT) == (event.analysis.triage is not None)
+        assert (event.kind == DocumentKind.COMPLAINT) == (event.analysis.triage is not None)
         assert event.timings.output_tokens > 0
     chats = [s for s in span_exporter.get_finished_spans() if s.name == f"chat {ALIAS}"]
     assert chats and all(s.attributes and s.attributes["gen_ai.provider.name"] == "openai" for s in chats)

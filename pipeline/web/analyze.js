@@ -68,8 +68,9 @@ const URGENCY = { critical: "紧急 · critical", high: "高 · high", medium: "
 function clearReport() {  // a new submission never sits beside the previous document's report
   $("viewpoint").textContent = "分析结果将显示在这里。· The analysis appears here.";
   $("viewpoint").classList.add("placeholder");
-  for (const id of ["facts", "data", "conclusions", "sentiment", "rationale", "triage", "timings"]) $(id).replaceChildren();
+  for (const id of ["facts", "data", "conclusions", "sentiment", "rationale", "triage", "fields", "timings"]) $(id).replaceChildren();
   $("triage-block").hidden = true;
+  $("fields-block").hidden = true;
   document.getElementById("injection-warning")?.remove();
 }
 
@@ -91,6 +92,11 @@ function render(event) {
     const signals = (t.safety_signals || []).length ? ` — 安全信号 · safety signals: ${t.safety_signals.join(", ")}` : "";
     $("triage").replaceChildren(u, ` 类别 · category: ${CATEGORY[t.category] || t.category}`, t.escalate ? " — 需升级 · escalate" : "", signals);
   }
+  const own = Object.entries(a.fields || {});  // the kind's own fields (KINDS_FILE)
+  $("fields-block").hidden = own.length === 0;
+  const shown = (v) => (Array.isArray(v) ? v.join("；") || "—" : typeof v === "boolean" ? (v ? "是 · yes" : "否 · no") : v);
+  $("fields").replaceChildren(...own.flatMap(([k, v]) => [Object.assign(document.createElement("dt"), { textContent: k }),
+    Object.assign(document.createElement("dd"), { textContent: shown(v) })]));
   document.getElementById("injection-warning")?.remove();
   if (a.suspected_injection) {
     const warn = Object.assign(document.createElement("p"), { id: "injection-warning", className: "badge urgency-high",
@@ -153,5 +159,10 @@ async function analyze(event) {
 $("form").addEventListener("submit", analyze);
 $("text").addEventListener("input", updateInput);
 $("text").addEventListener("keydown", (e) => { if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) $("form").requestSubmit(); });
+// Kinds beyond the three built in (the worker's KINDS_FILE) join the selector.
+fetch("/api/kinds").then((r) => (r.ok ? r.json() : Promise.reject(r.status))).then((kinds) => {
+  const known = new Set([...$("kind").options].map((o) => o.value));
+  for (const k of kinds) if (!known.has(k.name)) $("kind").append(new Option(`${k.title.zh} · ${k.title.en}`, k.name));
+}).catch(() => {});
 fetch("/api/limits").then((r) => (r.ok ? r.json() : Promise.reject(r.status))).then((l) => { maxChars = l.max_document_chars; updateInput(); }).catch(() => {});
 updateInput();

@@ -24,7 +24,7 @@ def test_the_corpus_is_the_articles_range_of_lengths_in_both_languages_and_all_k
     assert len(corpus) >= 100
     assert all(300 <= len(d.text) <= 2_000 for d in corpus)
     assert {d.language.value for d in corpus} == {"zh", "en"}
-    assert {d.kind.value for d in corpus} == {"complaint", "meeting_notes", "filing"}
+    assert {d.kind for d in corpus} == {"complaint", "meeting_notes", "filing"}
 
 
 def test_arrivals_are_poisson_at_the_offered_rate_split_over_the_departments() -> None:

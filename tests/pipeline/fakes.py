@@ -73,6 +73,16 @@ class ScriptedEngine:
                 },
                 "rationale": "脚本给出的理由" if chinese else "scripted",
             }
+            own = (
+                json.loads(params.json_schema).get("properties", {}).get("fields")
+                if params and params.json_schema
+                else None
+            )
+            if own:  # a kind's own fields: a value of each one's type
+                values = {"string": f"{document[:20]}", "array": [document[:20]], "boolean": True}
+                analysis["fields"] = {
+                    name: values[shape["type"]] for name, shape in own["properties"].items()
+                }
             text = json.dumps(analysis)
         self.generated += len(text) // 4 + 1
         return GenerationResult(

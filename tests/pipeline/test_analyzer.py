@@ -13,7 +13,15 @@ from pipeline.analyzer import AnalysisFailed, Analyzer, LabelPolicy, Scored, cho
 from pipeline.codec import Document
 from prompts import questions
 from prompts.render import CONTENT_FREE
-from schemas import DeadLetterReason, DocumentKind, Language, Polarity, SourceCoordinates, Urgency
+from schemas import (
+    BUILT_IN_KINDS,
+    DeadLetterReason,
+    DocumentKind,
+    Language,
+    Polarity,
+    SourceCoordinates,
+    Urgency,
+)
 from tests.pipeline.fakes import ScriptedEngine
 
 
@@ -23,7 +31,7 @@ def doc(text: str, language: Language, kind: DocumentKind = DocumentKind.COMPLAI
 
 
 def test_choice_takes_the_likeliest_option_and_calibration_divides_out_the_bias() -> None:
-    polarity = questions(DocumentKind.FILING, Language.EN, "x")[0]
+    polarity = questions(BUILT_IN_KINDS[DocumentKind.FILING], Language.EN, "x")[0]
     assert polarity.values == ("positive", "negative")
     # The model says "positive" 60:40 here, but 80:20 on content-free inputs: a lean to negative.
     logprobs = [math.log(0.6), math.log(0.4)]
@@ -33,7 +41,7 @@ def test_choice_takes_the_likeliest_option_and_calibration_divides_out_the_bias(
 
 
 def test_the_policy_sets_how_narrow_neutral_is_and_how_much_of_the_prior_is_divided_out() -> None:
-    asked = {q.name: q for q in questions(DocumentKind.FILING, Language.EN, "x")}
+    asked = {q.name: q for q in questions(BUILT_IN_KINDS[DocumentKind.FILING], Language.EN, "x")}
     # The model leans 60:40 positive here and 80:20 on content-free inputs; "no evaluation" 0.7.
     logprobs = {
         "polarity": [math.log(0.6), math.log(0.4)],
@@ -110,7 +118,7 @@ async def test_a_request_the_engine_refuses_as_too_long_fails_as_generation_fail
 
 
 def test_side_questions_are_combined_by_their_calibrated_log_odds() -> None:
-    asked = {q.name: q for q in questions(DocumentKind.FILING, Language.EN, "x")}
+    asked = {q.name: q for q in questions(BUILT_IN_KINDS[DocumentKind.FILING], Language.EN, "x")}
     logprobs = {
         "polarity": [math.log(0.6), math.log(0.4)],  # positive, mildly
         "outcome": [math.log(0.1), math.log(0.9)],  # bad, firmly
@@ -141,7 +149,7 @@ async def test_only_the_side_questions_the_policy_combines_are_asked() -> None:
 
 
 def test_a_fixed_polarity_prior_is_read_by_value_for_its_language_only() -> None:
-    asked = {q.name: q for q in questions(DocumentKind.FILING, Language.EN, "x")}
+    asked = {q.name: q for q in questions(BUILT_IN_KINDS[DocumentKind.FILING], Language.EN, "x")}
     policy = LabelPolicy(polarity_prior={"en": {"negative": 0.3, "positive": 0.7}})
     assert policy.fixed_prior("en", asked["polarity"]) == [0.7, 0.3]  # in the question's option order
     assert policy.fixed_prior("zh", asked["polarity"]) is None

@@ -109,6 +109,22 @@ async def test_a_dead_lettered_document_is_a_502_with_the_reason(
     )
 
 
+async def test_the_pages_offer_the_configured_kinds_and_refuse_others_as_a_422(
+    settings: Settings, telemetry: Telemetry, tmp_path: Path
+) -> None:
+    path = tmp_path / "kinds.toml"
+    path.write_text("[kinds.support_ticket]\ntitle = { zh = '技术支持工单', en = 'support ticket' }\n")
+    settings = Settings(**{**settings.model_dump(), "kinds_file": path})
+    async with front_end(settings, telemetry, worker=False) as url, httpx.AsyncClient(timeout=30) as client:
+        kinds = (await client.get(f"{url}/api/kinds")).json()
+        refused = await client.post(
+            f"{url}/api/analyze", json={"text": "x", "kind": "invoice", "wait": False}
+        )
+    assert [k["name"] for k in kinds] == ["complaint", "meeting_notes", "filing", "support_ticket"]
+    assert kinds[3]["title"] == {"zh": "技术支持工单", "en": "support ticket"} and not kinds[3]["triage"]
+    assert refused.status_code == 422 and refused.json()["detail"][0]["loc"] == ["body", "kind"]
+
+
 async def test_too_long_input_is_a_413_and_nothing_is_published(
     settings: Settings, telemetry: Telemetry
 ) -> None:
@@ -219,7 +235,7 @@ async def test_the_openapi_schema_holds_under_schemathesis(settings: Settings, t
         out, _ = await asyncio.wait_for(proc.communicate(), 600)
     report = out.decode(errors="replace")
     assert proc.returncode == 0, report[-4000:]
-    assert "6 selected / 7 total" in report  # all but the stream: analyze, limits, status, the 3 probes
+    assert "7 selected / 8 total" in report  # all but the stream: analyze, kinds, limits, status, 3 probes
 
 
 async def test_two_requesters_each_get_their_own_analysis_across_a_re_created_topic(

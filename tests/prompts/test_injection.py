@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from prompts import questions, render, screen
-from schemas import DocumentKind, Language
+from schemas import BUILT_IN_KINDS, DocumentKind, Language
 
 COMPLAINT_ZH = "热水器漏电，我母亲洗澡时触电，现在还在医院。"
 COMPLAINT_EN = "The heater shocked my mother and she is in hospital. I want a full refund."
@@ -38,9 +38,12 @@ def test_an_appended_instruction_is_withheld_and_reported(
     assert screened.suspected and injected.strip() in screened.excerpts[0]
     assert base.strip() in screened.text and injected not in screened.text
     # The model never reads it: neither the label questions nor the narrative carry it.
-    for question in questions(DocumentKind.COMPLAINT, language, screened.text):
+    for question in questions(BUILT_IN_KINDS[DocumentKind.COMPLAINT], language, screened.text):
         assert injected not in question.prompt.messages[-1]["content"]
-    assert injected not in render(DocumentKind.COMPLAINT, language, screened.text).messages[-1]["content"]
+    assert (
+        injected
+        not in render(BUILT_IN_KINDS[DocumentKind.COMPLAINT], language, screened.text).messages[-1]["content"]
+    )
     # The labels read the document as it was before the instruction was appended: no marker.
     assert screened.labelled == base.strip()
 
