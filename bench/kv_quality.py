@@ -163,7 +163,8 @@ async def analysis_pass(
                 event_id=doc["document_id"], document_id=doc["document_id"], kind=kind, language=language,
                 text=doc["text"], source=source,
             )  # fmt: skip
-            assembled = Analyzer.assemble(document, narrative, labels, ())
+            triage = Analyzer.triage_of(document, BUILT_IN_KINDS[kind], labels)
+            assembled = Analyzer.assemble(narrative, labels, triage, ())
             analysis: dict[str, Any] | None = assembled.model_dump(mode="json")
         except AnalysisParseError as exc:
             analysis, error = None, f"{exc} | raw output: {result.text}"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from opentelemetry.sdk.trace import TracerProvider
@@ -47,7 +47,10 @@ class InstantEngine:
         pass
 
     async def generate(
-        self, messages: Sequence[dict[str, str]], params: SamplingParams | None = None
+        self,
+        messages: Sequence[dict[str, str]],
+        params: SamplingParams | None = None,
+        on_text: Callable[[str], None] | None = None,
     ) -> GenerationResult:
         chinese = messages[0]["content"].startswith("你")  # the prompt's language: the answer's
         return GenerationResult(

@@ -19,10 +19,11 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
+import pydantic_core
 from opentelemetry import trace
 
 from engine import EngineError, EngineOptions, EngineStats, GenerationResult, SamplingParams
@@ -51,11 +52,16 @@ from schemas import (
     Narrative,
     Polarity,
     Sentiment,
+    Triage,
     Urgency,
     narrative_json_schema,
 )
 
 Messages = Sequence[dict[str, str]]
+OnText = Callable[[str], None]
+# Sees the analysis as written so far (`Analyzer.analyze`): the labels, then the narrative's fields
+# as each one is complete; shaped like `Analysis`, unvalidated, superseded by the analysis itself.
+Progress = Callable[[dict[str, Any]], None]
 
 
 class AnalysisEngine(Protocol):
@@ -75,8 +81,8 @@ class AnalysisEngine(Protocol):
     async def prepare(self, json_schema: str) -> None: ...
 
     async def generate(
-        self, messages: Messages, params: SamplingParams | None = None
-    ) -> GenerationResult: ...
+        self, messages: Messages, params: SamplingParams | None = None, on_text: OnText | None = None
+    ) -> GenerationResult: ...  # `on_text`: each piece of text as it is generated
 
     async def score(self, messages: Messages, continuations: Sequence[str]) -> list[float]: ...
 
@@ -93,6 +99,37 @@ class AnalysisOutcome:
     ttft_s: float  # consume -> first token of the first attempt
     batch_size: int  # the largest engine step its sequences ran in
     tpot_s: float | None  # decode seconds per token after the first, first attempt; None: one token
+
+
+class PartialNarrative:
+    """Follows a narrative as it is generated: each time one more of its strings is complete (the
+    viewpoint, an item, the rationale, a field), `progress` sees the labels decided and what is
+    written so far, shaped like an `Analysis`."""
+
+    def __init__(self, decided: dict[str, Any], progress: Progress) -> None:
+        self.decided = decided
+        self.progress = progress
+        self.text = ""
+        self.shown: Any = {}
+
+    def feed(self, piece: str) -> None:
+        self.text += piece
+        if '"' not in piece:  # a string can only be complete where a quote closes it
+            return
+        try:
+            written = pydantic_core.from_json(self.text, allow_partial=True)  # complete strings only
+        except ValueError:
+            return
+        if not isinstance(written, dict) or written == self.shown:
+            return
+        self.shown = written
+        sentiment = dict(self.decided["sentiment"])
+        if isinstance(rationale := written.get("rationale"), str):
+            sentiment["rationale"] = rationale
+        view = {
+            key: written[key] for key in ("core_viewpoint", "key_information", "fields") if key in written
+        }
+        self.progress({**self.decided, **view, "sentiment": sentiment})
 
 
 class AnalysisFailed(Exception):
@@ -313,7 +350,10 @@ class Analyzer:
         """The labels of a (screened) document."""
         return decide(await self.scores(kind, language, text), self.policy)
 
-    async def analyze(self, document: Document, consumed_at: float) -> AnalysisOutcome:
+    async def analyze(
+        self, document: Document, consumed_at: float, progress: Progress | None = None
+    ) -> AnalysisOutcome:
+        """The document's analysis; `progress`, when given, sees it as it is written."""
         screened = screen(document.text, document.language)
         prompt_tokens = output_tokens = batch_size = 0
         first: tuple[float, float] | None = None
@@ -337,11 +377,19 @@ class Analyzer:
                     }
                 )
             kind = self.kinds[document.kind]
+            triage = self.triage_of(document, kind, labels)
+            decided = {
+                "sentiment": {"polarity": labels.polarity.value, "implies_doubt": labels.doubt,
+                              "implies_expectation": labels.expectation, "confidence": labels.confidence},
+                "triage": None if triage is None else triage.model_dump(mode="json"),
+            }  # fmt: skip
+            if progress is not None:
+                progress(decided)
             prompt = render(kind, document.language, screened.text, labels.polarity)
             for attempt in range(1, self.attempts + 1):
-                result, submitted = await self._generate(
-                    prompt, self.params[kind.name, document.language], attempt
-                )
+                written = None if progress is None else PartialNarrative(decided, progress)
+                params = self.params[kind.name, document.language]
+                result, submitted = await self._generate(prompt, params, attempt, written)
                 prompt_tokens += result.prompt_tokens
                 output_tokens += result.output_tokens
                 batch_size = max(batch_size, result.batch_size)
@@ -363,22 +411,25 @@ class Analyzer:
                     prompt = render_repair(prompt, raw, str(exc))
                     continue
                 span.set_attribute("deepanalyze.attempts", attempt)
-                analysis = self.assemble(document, kind, narrative, labels, screened.excerpts)
+                analysis = self.assemble(narrative, labels, triage, screened.excerpts)
                 return AnalysisOutcome(
                     analysis, attempt, prompt_tokens, output_tokens, *first, batch_size, tpot
                 )
         raise AssertionError("unreachable: attempts >= 1")  # pragma: no cover
 
     @staticmethod
+    def triage_of(document: Document, kind: KindSpec, labels: Labels) -> Triage | None:
+        """For a triaged kind (complaints) the triage: the model's queue, urgency by the rule (or
+        the model's) and the safety floor over the whole text; None for the others."""
+        if not kind.triage:
+            return None
+        return triage_of(document.text, document.language, labels.category or Category.OTHER, labels.urgency)
+
+    @staticmethod
     def assemble(
-        document: Document, kind: KindSpec, narrative: Narrative, labels: Labels, excerpts: Sequence[str]
+        narrative: Narrative, labels: Labels, triage: Triage | None, excerpts: Sequence[str]
     ) -> Analysis:
-        """The analysis: the model's narrative and labels; for a triaged kind (complaints) the
-        triage, by the urgency rule (or the model's urgency) and the safety floor over the whole text."""
-        triage = None
-        if kind.triage:
-            category = labels.category or Category.OTHER
-            triage = triage_of(document.text, document.language, category, labels.urgency)
+        """The analysis: the model's narrative, the labels and the triage."""
         return Analysis(
             core_viewpoint=narrative.core_viewpoint,
             key_information=narrative.key_information,
@@ -396,13 +447,15 @@ class Analyzer:
         )
 
     async def _generate(
-        self, prompt: Prompt, params: SamplingParams, attempt: int
+        self, prompt: Prompt, params: SamplingParams, attempt: int, written: PartialNarrative | None = None
     ) -> tuple[GenerationResult, float]:
         """The result and when it was submitted (perf_counter)."""
         submitted = time.perf_counter()
         submitted_ns = time.time_ns()
         try:
-            result = await self.engine.generate(prompt.messages, params)
+            result = await self.engine.generate(
+                prompt.messages, params, None if written is None else written.feed
+            )
         except EngineError as exc:
             raise AnalysisFailed(DeadLetterReason.GENERATION_FAILED, str(exc), None, attempt) from exc
         record_generation(

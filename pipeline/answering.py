@@ -11,21 +11,24 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from pipeline.analyzer import AnalysisEngine, AnalysisFailed, Analyzer
+from pipeline.analyzer import AnalysisEngine, AnalysisFailed, Analyzer, Progress
 from pipeline.codec import Document, RawRecord, RecordError, dead_letter, decode_document
 from pipeline.fetch import Unreadable
 from pipeline.metrics import Metrics
 from pipeline.settings import Settings
 from pipeline.telemetry import current_trace_id
-from schemas import AnalysisEvent, DeadLetter, DeadLetterReason, EngineSettings, Timings
+from schemas import PROGRESS_HEADER, AnalysisEvent, DeadLetter, DeadLetterReason, EngineSettings, Timings
 
 log = logging.getLogger(__name__)
 
 Refusal = tuple[DeadLetterReason, str]  # why a record gets a dead letter before any analysis
+# Where the analyses written so far go: (the document, its progress so far, the count so far).
+ProgressSink = Callable[[Document, dict[str, Any], int], None]
 
 
 @dataclass
@@ -50,6 +53,7 @@ class Answerer:
         self.analyzer = analyzer
         self.metrics = metrics
         self.counters = counters
+        self.progress: ProgressSink | None = None  # set by the service once its producer runs
         self.engine_settings = EngineSettings(  # what the engine runs, as events report it
             dynamic_batching=engine.config.dynamic_batching,
             kv_compression=engine.config.kv_compression,
@@ -112,8 +116,9 @@ class Answerer:
         except Exception as exc:  # a record that breaks the decoder is still answered
             log.exception("decoding %s failed unexpectedly", where)
             return self.dead_letter(raw, DeadLetterReason.INTERNAL_ERROR, f"decoding failed: {brief(exc)}")
+        wanted = self.progress is not None and any(k == PROGRESS_HEADER for k, _ in raw.headers or ())
         try:
-            return await self._analyze(document, consumed_at)
+            return await self._analyze(document, consumed_at, self._progress_of(document) if wanted else None)
         except AnalysisFailed as exc:
             self.counters.failed += 1
             return self.dead_letter(
@@ -131,8 +136,21 @@ class Answerer:
                 raw, DeadLetterReason.INTERNAL_ERROR, brief(exc), document_id=document.document_id
             )
 
-    async def _analyze(self, document: Document, consumed_at: float) -> AnalysisEvent:
-        outcome = await self.analyzer.analyze(document, consumed_at)
+    def _progress_of(self, document: Document) -> Progress:
+        sink, count = self.progress, 0
+
+        def progress(written: dict[str, Any]) -> None:
+            nonlocal count
+            count += 1
+            if sink is not None:
+                sink(document, written, count)
+
+        return progress
+
+    async def _analyze(
+        self, document: Document, consumed_at: float, progress: Progress | None = None
+    ) -> AnalysisEvent:
+        outcome = await self.analyzer.analyze(document, consumed_at, progress)
         self.metrics.ttft.record(outcome.ttft_s, {"kind": document.kind})
         self.metrics.batch_size.record(outcome.batch_size)
         if outcome.tpot_s is not None:

@@ -23,11 +23,12 @@ from dataclasses import dataclass
 
 from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import KafkaError
+from pydantic import ValidationError
 
 from pipeline.client import Answer, assign_answer_topics, parse_answer
 from pipeline.kafka import make_consumer
 from pipeline.settings import Settings
-from schemas import DeadLetter
+from schemas import AnalysisProgress, DeadLetter
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ class Delivered:
     seq: int  # the server-sent event id: rising, per process
     event_id: str
     document_id: str | None
-    kind: str  # "analysis" | "dead_letter"
+    kind: str  # "analysis" | "dead_letter" | "partial" (an analysis as it is written)
     json: str  # the record's value as published
 
 
@@ -51,6 +52,10 @@ class AnswerHub:
         self._by_event: OrderedDict[str, list[Delivered]] = OrderedDict()
         self._keep = keep
         self._seq = 0
+        # Per event id, the latest analysis-as-written (`AnalysisProgress`) while it has no answer;
+        # numbered apart from the answers (the board's stream counts those alone).
+        self._progress: OrderedDict[str, Delivered] = OrderedDict()
+        self._progress_seq = 0
         self._changed = asyncio.Condition()
         self.connected = False  # the consumer has its partitions and is reading
         self._stop = asyncio.Event()
@@ -97,6 +102,28 @@ class AnswerHub:
                     await asyncio.wait_for(self._changed.wait(), left)
             return found
 
+    async def watch(self, event_id: str, wait_s: float) -> AsyncIterator[Delivered | None]:
+        """The analysis of `event_id` as it is written (`partial` items, newest only), then its
+        answer, which ends it; None after `wait_s` without news (time for a keep-alive). Ends
+        without the answer when the hub is closed."""
+        self.ensure_running()
+        shown = 0
+        while not self.closed:
+            async with self._changed:
+                found = self.find(event_id)
+                partial = self._progress.get(event_id)
+                news = partial if partial is not None and partial.seq > shown else None
+                if found is None and news is None:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._changed.wait(), wait_s)
+                        continue
+            if found is not None:
+                yield found
+                return
+            if news is not None:
+                shown = news.seq
+            yield news
+
     async def follow(
         self, after: int | None, replay: int, heartbeat_s: float = 15.0
     ) -> AsyncIterator[Delivered | None]:
@@ -137,6 +164,24 @@ class AnswerHub:
                 self._by_event.popitem(last=False)
             self._changed.notify_all()
 
+    async def _add_progress(self, value: bytes) -> None:
+        try:
+            progress = AnalysisProgress.model_validate_json(value)
+        except ValidationError:
+            return
+        if progress.event_id in self._by_event:
+            return  # answered already: a late preview would only go back in time
+        async with self._changed:
+            self._progress_seq += 1
+            item = Delivered(
+                self._progress_seq, progress.event_id, progress.document_id, "partial", value.decode()
+            )
+            self._progress[progress.event_id] = item
+            self._progress.move_to_end(progress.event_id)
+            while len(self._progress) > self._keep:
+                self._progress.popitem(last=False)
+            self._changed.notify_all()
+
     async def run(self, stop: asyncio.Event) -> None:
         """Reads until `stop`; reconnects by itself when the broker goes away."""
         while not stop.is_set():
@@ -149,6 +194,9 @@ class AnswerHub:
                     batch = await consumer.getmany(timeout_ms=200, max_records=500)
                     for tp, records in batch.items():
                         for record in records:
+                            if tp.topic == self.settings.topic_progress:
+                                await self._add_progress(record.value or b"")
+                                continue
                             answer = parse_answer(tp.topic, record.value or b"", self.settings)
                             if answer is not None:
                                 await self._add(answer, record.value or b"")
@@ -163,7 +211,7 @@ class AnswerHub:
                     await consumer.stop()
 
     async def _assign(self, consumer: AIOKafkaConsumer) -> None:
-        parts = await assign_answer_topics(consumer, self.settings)
+        parts = await assign_answer_topics(consumer, self.settings, progress=True)
         since_ms = int((time.time() - self.history_s) * 1000)
         with contextlib.suppress(KafkaError, ValueError, TypeError):  # brokers that cannot seek by time
             for tp, found in (await consumer.offsets_for_times({tp: since_ms for tp in parts})).items():

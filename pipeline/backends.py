@@ -8,7 +8,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from engine import EngineOptions, EngineStats, GenerationResult, SamplingParams
@@ -38,9 +39,24 @@ class EmbeddedBackend:
         await self.engine.prepare(json_schema)
 
     async def generate(
-        self, messages: Sequence[dict[str, str]], params: SamplingParams | None = None
+        self,
+        messages: Sequence[dict[str, str]],
+        params: SamplingParams | None = None,
+        on_text: Callable[[str], None] | None = None,
     ) -> GenerationResult:
-        return await self.engine.generate(self.engine.format_chat(messages), params)
+        ids = self.engine.format_chat(messages)
+        if on_text is None:
+            return await self.engine.generate(ids, params)
+        if params is not None and params.json_schema is not None:
+            await self.engine.prepare(params.json_schema)
+        handle = self.engine.submit(ids, params)
+        try:
+            async for piece in handle.stream():
+                on_text(piece)
+            return await handle.result()
+        except asyncio.CancelledError:
+            handle.cancel()
+            raise
 
     async def score(self, messages: Sequence[dict[str, str]], continuations: Sequence[str]) -> list[float]:
         return await self.engine.score(self.engine.format_chat(messages), continuations)

@@ -236,11 +236,12 @@ async def follow_answers(
 
 
 async def assign_answer_topics(
-    consumer: AIOKafkaConsumer, settings: Settings, *, from_beginning: bool = True
+    consumer: AIOKafkaConsumer, settings: Settings, *, from_beginning: bool = True, progress: bool = False
 ) -> list[TopicPartition]:
-    """Assigns every partition of the analysis and dead-letter topics to a group-less consumer,
-    positioned at their beginning (or their end)."""
-    found = await partitions_of(settings, [settings.topic_analysis, settings.topic_dead_letters])
+    """Assigns every partition of the analysis and dead-letter topics (and, with `progress`, the
+    progress topic) to a group-less consumer, positioned at their beginning (or their end)."""
+    topics = [settings.topic_analysis, settings.topic_dead_letters]
+    found = await partitions_of(settings, [*topics, settings.topic_progress] if progress else topics)
     partitions = [TopicPartition(topic, p) for topic, numbers in found.items() for p in numbers]
     consumer.assign(partitions)
     if from_beginning:

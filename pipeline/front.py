@@ -30,7 +30,7 @@ from pipeline.answers import AnswerHub, Delivered
 from pipeline.client import send_document
 from pipeline.kafka import make_producer
 from pipeline.settings import Settings
-from schemas import AnalysisEvent, DocumentEvent, DocumentKind, Language
+from schemas import PROGRESS_HEADER, AnalysisEvent, DocumentEvent, DocumentKind, Language
 from schemas.events import NonEmptyStr
 from schemas.kinds import KindName
 
@@ -124,7 +124,10 @@ class Front:
         )
         producer = await self.producer()
         sent = await asyncio.wait_for(
-            send_document(producer, self.settings, document, tracer=self.tracer), self.send_timeout_s
+            send_document(
+                producer, self.settings, document, tracer=self.tracer, headers=[(PROGRESS_HEADER, b"1")]
+            ),
+            self.send_timeout_s,
         )
         return Accepted(event_id=sent.event_id, document_id=sent.document_id, topic=sent.topic,
                         partition=sent.partition, offset=sent.offset)  # fmt: skip
@@ -208,19 +211,22 @@ def router(front: Front) -> APIRouter:
         replay: Annotated[int, Query(ge=0, le=2_000, description="Recent answers to send first.")] = 0,
         last_event_id: Annotated[str | None, Header(description="Set by EventSource on reconnect.")] = None,
     ) -> StreamingResponse:
-        """Analysis events (`event: analysis`) and dead letters (`event: dead_letter`) as they land."""
+        """Analysis events (`event: analysis`) and dead letters (`event: dead_letter`) as they land;
+        with `event_id`, that document's analysis as it is written first (`event: partial`)."""
         # Our ids are ASCII digits; anything else ("²", 5,000 digits, garbage) is no id: start afresh.
         after = int(last_event_id) if last_event_id and _EVENT_ID.fullmatch(last_event_id) else None
 
         async def stream() -> AsyncIterator[bytes]:
             yield b"retry: 2000\n\n"
-            if event_id is not None:
-                while (found := await front.hub.wait_for(event_id, 15.0)) is None:
-                    if front.hub.closed:
-                        return  # the worker stops: the page's EventSource reconnects elsewhere
-                    yield b": waiting\n\n"  # keeps proxies from closing an idle stream
-                yield _sse(found)
-                return
+            if event_id is not None:  # the analysis as it is written (`partial`), then the answer
+                async for item in front.hub.watch(event_id, 15.0):
+                    if item is None:
+                        yield b": waiting\n\n"  # keeps proxies from closing an idle stream
+                    elif item.kind == "partial":
+                        yield f"event: partial\ndata: {item.json}\n\n".encode()  # no id: not an answer
+                    else:
+                        yield _sse(item)
+                return  # the answer, or the worker stops: the page's EventSource reconnects elsewhere
             yield _state(front.broker_reachable())
             async for item in front.hub.follow(after, replay, heartbeat_s=5.0):
                 yield _state(front.broker_reachable()) if item is None else _sse(item)

@@ -21,7 +21,7 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -161,7 +161,10 @@ class OpenAIBackend:
         """Nothing to compile here: the server turns each request's schema into its grammar."""
 
     async def generate(
-        self, messages: Sequence[dict[str, str]], params: SamplingParams | None = None
+        self,
+        messages: Sequence[dict[str, str]],
+        params: SamplingParams | None = None,
+        on_text: Callable[[str], None] | None = None,
     ) -> GenerationResult:
         params = params or SamplingParams()
         if params.forced_ids:
@@ -182,10 +185,12 @@ class OpenAIBackend:
                 "json_schema": {"name": "analysis", "schema": schema, "strict": True},
             }
         submitted = time.perf_counter()
-        result: GenerationResult = await self._call(lambda: self._stream(request, submitted))
+        result: GenerationResult = await self._call(lambda: self._stream(request, submitted, on_text))
         return result
 
-    async def _stream(self, request: dict[str, Any], submitted: float) -> GenerationResult:
+    async def _stream(
+        self, request: dict[str, Any], submitted: float, on_text: Callable[[str], None] | None
+    ) -> GenerationResult:
         """One streamed generation; its times counted from `submitted` (a slot's wait is queueing)."""
         started = time.perf_counter()
         first: float | None = None
@@ -203,6 +208,8 @@ class OpenAIBackend:
                 if choice.delta.content:
                     first = first if first is not None else time.perf_counter() - submitted
                     parts.append(choice.delta.content)
+                    if on_text is not None:
+                        on_text(choice.delta.content)
                     chunks += 1
                 if choice.finish_reason is not None:
                     finish = "length" if choice.finish_reason == "length" else "stop"

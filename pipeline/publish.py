@@ -6,7 +6,10 @@ goes into the record's `traceparent` header, so a consumer downstream continues 
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import logging
+from typing import Any
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import (
@@ -26,9 +29,12 @@ from tenacity import (
     wait_exponential,
 )
 
+from pipeline.codec import Document
 from pipeline.settings import Settings
 from pipeline.telemetry import sent, start_send
-from schemas import AnalysisEvent, DeadLetter
+from schemas import AnalysisEvent, AnalysisProgress, DeadLetter
+
+log = logging.getLogger(__name__)
 
 JSON_HEADERS = [("content-type", b"application/json")]
 # Errors about the record itself: sending it again cannot help, and they say nothing of the broker.
@@ -108,3 +114,35 @@ class Publisher:
             except KafkaError as exc:
                 raise PublishError(f"could not publish {answer.event_id} to {topic}: {exc}") from exc
             sent(span, meta.partition, meta.offset)
+
+
+class ProgressSender:
+    """Sends analyses as they are written (`answering.ProgressSink`) to TOPIC_PROGRESS, keyed by
+    event id: fire and forget, outside any transaction (a lost record costs a page a preview,
+    never an answer); at most `limit` sends outstanding, beyond that records are dropped."""
+
+    def __init__(self, producer: AIOKafkaProducer, settings: Settings, limit: int = 1_000) -> None:
+        self.producer = producer
+        self.topic = settings.topic_progress
+        self.limit = limit
+        self._pending: set[asyncio.Task[None]] = set()
+
+    def __call__(self, document: Document, written: dict[str, Any], count: int) -> None:
+        if len(self._pending) >= self.limit:
+            return
+        record = AnalysisProgress(
+            event_id=document.event_id, document_id=document.document_id, seq=count, analysis=written
+        )
+        task = asyncio.create_task(self._send(record), name=f"progress-{document.event_id}")
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _send(self, record: AnalysisProgress) -> None:
+        try:
+            delivered = await self.producer.send(
+                self.topic, record.model_dump_json().encode("utf-8"), key=record.event_id.encode(),
+                headers=JSON_HEADERS,
+            )  # fmt: skip
+            await delivered
+        except KafkaError as exc:
+            log.debug("progress of %s not sent: %s", record.event_id, exc)

@@ -39,7 +39,7 @@ from pipeline.fetch import Fetcher, Unreadable
 from pipeline.kafka import ensure_topics, make_answer_producer, make_consumer, wait_for_broker
 from pipeline.metrics import Metrics, Snapshot
 from pipeline.offsets import OffsetTracker
-from pipeline.publish import Publisher, PublishError
+from pipeline.publish import ProgressSender, Publisher, PublishError
 from pipeline.settings import Settings
 from pipeline.status import status_report
 from pipeline.telemetry import Telemetry, process_span
@@ -201,6 +201,7 @@ class Service:
             if self.settings.processing_guarantee == "exactly_once":
                 self.outbox = TransactionalOutbox(self.settings, self.tracer)
             publisher = Publisher(producer, self.settings, self.tracer)
+            self.answerer.progress = ProgressSender(producer, self.settings)
             self._delivery = Delivery(self.answerer, self.counters, publisher, self.outbox)
             consumer.subscribe(list(self.settings.input_topics), listener=_Rebalance(self))
             if not await unless_stopped(stop, consumer.start()):

@@ -52,6 +52,10 @@ class Settings(BaseSettings, EngineOptions):
     )
     topic_analysis: str = "analysis.events"
     topic_dead_letters: str = "analysis.dlq"
+    topic_progress: str = Field(
+        default="analysis.progress",
+        description="Analyses as they are written, for the pages (documents sent with the progress header).",
+    )
     topic_partitions: int = Field(default=3, ge=1, le=1024)
     topic_replication_factor: int = Field(default=1, ge=1, le=16)
     consumer_group: str = "deepanalyze"
@@ -195,7 +199,8 @@ class Settings(BaseSettings, EngineOptions):
     def kinds(self) -> dict[str, KindSpec]:
         """The kinds served: the three built in, on TOPIC_*, and KINDS_FILE's (checked at start)."""
         built_in = built_in_kinds(self.topic_complaints, self.topic_meeting_notes, self.topic_filings)
-        return read_kinds(self.kinds_file, built_in, (self.topic_analysis, self.topic_dead_letters))
+        answers = (self.topic_analysis, self.topic_dead_letters, self.topic_progress)
+        return read_kinds(self.kinds_file, built_in, answers)
 
     @property
     def input_topics(self) -> dict[str, str]:
@@ -207,7 +212,7 @@ class Settings(BaseSettings, EngineOptions):
 
     @property
     def all_topics(self) -> list[str]:
-        return [*self.input_topics, self.topic_analysis, self.topic_dead_letters]
+        return [*self.input_topics, self.topic_analysis, self.topic_dead_letters, self.topic_progress]
 
     @field_validator("http_allowed_hosts", mode="before")
     @classmethod

@@ -282,6 +282,25 @@ class AnalysisEvent(_Wire):
     created_at: datetime
 
 
+# A document sent with this header (the pages send it) has its analysis followed as it is written:
+# `AnalysisProgress` records on TOPIC_PROGRESS. Others are not.
+PROGRESS_HEADER = "deepanalyze-progress"
+
+
+class AnalysisProgress(_Wire):
+    """The analysis of a document as it is being written, for the page that sent it (records on
+    TOPIC_PROGRESS, keyed by event id; only for documents sent with the `deepanalyze-progress`
+    header). Best effort and unvalidated: the analysis event is the answer."""
+
+    schema_version: Literal["1.2"] = SCHEMA_VERSION
+    event_id: str
+    document_id: str
+    seq: int = Field(ge=1, description="Rises with each record of this document's progress.")
+    analysis: dict[str, Any] = Field(
+        description="Shaped like `Analysis`: the labels decided, then each field once it is complete."
+    )
+
+
 class Header(_Wire):
     key: str
     value_b64: str | None

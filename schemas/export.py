@@ -11,13 +11,14 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from schemas.events import Analysis, AnalysisEvent, DeadLetter, DocumentEvent
+from schemas.events import Analysis, AnalysisEvent, AnalysisProgress, DeadLetter, DocumentEvent
 
 EXPORTED: dict[str, type[BaseModel]] = {
     "document_event": DocumentEvent,
     "analysis_event": AnalysisEvent,
     "analysis": Analysis,
     "dead_letter": DeadLetter,
+    "analysis_progress": AnalysisProgress,
 }
 
 JSON_DIR = Path(__file__).with_name("json")

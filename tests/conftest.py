@@ -90,6 +90,7 @@ def settings(kafka_servers: str, monkeypatch: pytest.MonkeyPatch) -> Settings:
         topic_filings=f"t{run}.docs.filings",
         topic_analysis=f"t{run}.analysis.events",
         topic_dead_letters=f"t{run}.analysis.dlq",
+        topic_progress=f"t{run}.analysis.progress",
         topic_partitions=2,
         consumer_group=f"g{run}",
         session_timeout_ms=3_000,

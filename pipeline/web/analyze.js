@@ -74,17 +74,16 @@ function clearReport() {  // a new submission never sits beside the previous doc
   document.getElementById("injection-warning")?.remove();
 }
 
-function render(event) {
-  const a = event.analysis;
-  $("viewpoint").textContent = a.core_viewpoint;
-  $("viewpoint").classList.remove("placeholder");
-  fillList("facts", a.key_information.facts);
-  fillList("data", a.key_information.data);
-  fillList("conclusions", a.key_information.conclusions);
+// The report as far as it is written (`event: partial`, the labels first, then each field once it
+// is complete) or whole (the analysis event): whatever is not there yet is left as it is.
+function renderAnalysis(a) {
+  if (a.core_viewpoint) { $("viewpoint").textContent = a.core_viewpoint; $("viewpoint").classList.remove("placeholder"); }
+  const layers = a.key_information || {};
+  for (const name of ["facts", "data", "conclusions"]) if (layers[name]) fillList(name, layers[name]);
   const s = a.sentiment;
   const badge = Object.assign(document.createElement("span"), { className: `badge polarity-${s.polarity}`, textContent: POLARITY[s.polarity] || s.polarity });
   $("sentiment").replaceChildren(badge, ` 质疑 · doubt: ${s.implies_doubt ? "是 · yes" : "否 · no"}；期待 · expectation: ${s.implies_expectation ? "是 · yes" : "否 · no"}`);
-  $("rationale").textContent = s.rationale;
+  if (s.rationale) $("rationale").textContent = s.rationale;
   $("triage-block").hidden = !a.triage;
   if (a.triage) {
     const t = a.triage;
@@ -92,11 +91,18 @@ function render(event) {
     const signals = (t.safety_signals || []).length ? ` — 安全信号 · safety signals: ${t.safety_signals.join(", ")}` : "";
     $("triage").replaceChildren(u, ` 类别 · category: ${CATEGORY[t.category] || t.category}`, t.escalate ? " — 需升级 · escalate" : "", signals);
   }
-  const own = Object.entries(a.fields || {});  // the kind's own fields (KINDS_FILE)
-  $("fields-block").hidden = own.length === 0;
-  const shown = (v) => (Array.isArray(v) ? v.join("；") || "—" : typeof v === "boolean" ? (v ? "是 · yes" : "否 · no") : v);
-  $("fields").replaceChildren(...own.flatMap(([k, v]) => [Object.assign(document.createElement("dt"), { textContent: k }),
-    Object.assign(document.createElement("dd"), { textContent: shown(v) })]));
+  if (a.fields) {
+    const own = Object.entries(a.fields);  // the kind's own fields (KINDS_FILE)
+    $("fields-block").hidden = own.length === 0;
+    const shown = (v) => (Array.isArray(v) ? v.join("；") || "—" : typeof v === "boolean" ? (v ? "是 · yes" : "否 · no") : v);
+    $("fields").replaceChildren(...own.flatMap(([k, v]) => [Object.assign(document.createElement("dt"), { textContent: k }),
+      Object.assign(document.createElement("dd"), { textContent: shown(v) })]));
+  }
+}
+
+function render(event) {
+  const a = event.analysis;
+  renderAnalysis(a);
   document.getElementById("injection-warning")?.remove();
   if (a.suspected_injection) {
     const warn = Object.assign(document.createElement("p"), { id: "injection-warning", className: "badge urgency-high",
@@ -147,6 +153,10 @@ async function analyze(event) {
   const accepted = await response.json();
   setBusy(true, "已提交，正在排队等待分析 · Sent; waiting for the analyser");
   const source = new EventSource(`/api/events?event_id=${encodeURIComponent(accepted.event_id)}`);
+  source.addEventListener("partial", (e) => {  // the report fills in as the model writes it
+    setBusy(true, "正在撰写报告 · Writing the report");
+    renderAnalysis(JSON.parse(e.data).analysis);
+  });
   source.addEventListener("analysis", (e) => { source.close(); setBusy(false, "完成 · Done"); render(JSON.parse(e.data)); });
   source.addEventListener("dead_letter", (e) => {
     source.close(); const d = JSON.parse(e.data);

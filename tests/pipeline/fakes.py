@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from engine import EngineConfig, EngineStats, GenerationResult, SamplingParams
@@ -24,8 +24,10 @@ class ScriptedEngine:
         model_id: str = "scripted",
         kv_compression: bool = False,
         config: EngineConfig | None = None,
+        piece_delay_s: float = 0.0,
     ) -> None:
         self.delay_s = delay_s
+        self.piece_delay_s = piece_delay_s  # between the pieces of a streamed answer
         self.config = config or EngineConfig(model_path=Path(model_id), kv_compression=kv_compression)
         self.kv_compression = self.config.kv_compression
         self._model_id = model_id
@@ -46,7 +48,10 @@ class ScriptedEngine:
         self.prepared.append(json_schema)
 
     async def generate(
-        self, messages: Sequence[dict[str, str]], params: SamplingParams | None = None
+        self,
+        messages: Sequence[dict[str, str]],
+        params: SamplingParams | None = None,
+        on_text: Callable[[str], None] | None = None,
     ) -> GenerationResult:
         self.calls += 1
         self.active += 1
@@ -84,6 +89,10 @@ class ScriptedEngine:
                     name: values[shape["type"]] for name, shape in own["properties"].items()
                 }
             text = json.dumps(analysis)
+        if on_text is not None:  # written in pieces, as a model streams it
+            for start in range(0, len(text), 8):
+                on_text(text[start : start + 8])
+                await asyncio.sleep(self.piece_delay_s)
         self.generated += len(text) // 4 + 1
         return GenerationResult(
             text=text,

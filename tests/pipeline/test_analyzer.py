@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -188,3 +189,29 @@ async def test_a_complaint_s_urgency_is_asked_only_when_the_model_decides_it() -
         assert analysis.triage is not None
         # the rule: a refund is asked for; else the model's answer (no safety signal to raise it)
         assert analysis.triage.urgency is (Urgency.MEDIUM if urgency_from == "rules" else labels.urgency)
+
+
+async def test_progress_sees_the_labels_first_then_each_field_as_it_is_completed() -> None:
+    analyzer = Analyzer(ScriptedEngine(), trace.NoOpTracer(), max_new_tokens=256, attempts=2)
+    seen: list[dict[str, object]] = []
+    text = "洗衣机漏水，请尽快给我退款。"
+    outcome = await analyzer.analyze(doc(text, Language.ZH), 0.0, seen.append)
+    final = outcome.analysis.model_dump(mode="json")
+    first = seen[0]
+    assert (
+        set(first) == {"sentiment", "triage"} and first["triage"] == final["triage"]
+    )  # decided before writing
+    assert first["sentiment"] == {k: v for k, v in final["sentiment"].items() if k != "rationale"}
+    viewpoint_at = next(i for i, s in enumerate(seen) if "core_viewpoint" in s)
+    assert 0 < viewpoint_at < len(seen) - 1  # the viewpoint shows before the rest is written
+    for before, after in itertools.pairwise(seen):  # each one adds to the last
+        assert set(before) <= set(after)
+    last = seen[-1]
+    assert (
+        last["core_viewpoint"] == final["core_viewpoint"]
+        and last["key_information"] == final["key_information"]
+    )
+    assert last["sentiment"] == final["sentiment"]  # with the rationale, once it is written
+    assert (
+        await analyzer.analyze(doc(text, Language.ZH), 0.0)
+    ).analysis == outcome.analysis  # the same without

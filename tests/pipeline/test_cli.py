@@ -72,6 +72,18 @@ def test_plain_text_without_a_kind_or_a_topic_is_refused_before_anything_is_sent
     assert "Traceback" not in result.stderr and "Kafka error" not in result.stderr
 
 
+def test_an_unknown_kind_is_refused_naming_the_kinds_there_are(tmp_path: Path) -> None:
+    kinds = tmp_path / "kinds.toml"
+    kinds.write_text(
+        "[kinds.support_ticket]\ntitle = { zh = '工单', en = 'support ticket' }\n", encoding="utf-8"
+    )
+    (tmp_path / "note.txt").write_text("The app crashes.", encoding="utf-8")
+    result = run_cli("publish", str(tmp_path / "note.txt"), "--kind", "ticket", KINDS_FILE=str(kinds),
+                     KAFKA_BOOTSTRAP_SERVERS="127.0.0.1:1")  # fmt: skip
+    assert result.returncode == 2 and "unknown kind 'ticket'" in result.stderr
+    assert "support_ticket" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_empty_stdin_is_a_sentence(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "pipeline", "publish", "-", "--kind", "complaint"],

@@ -15,15 +15,17 @@ from pathlib import Path
 import httpx
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.structs import TopicPartition
 
 from pipeline.answers import AnswerHub
+from pipeline.client import collect_answers, publish_documents
 from pipeline.front import Front, router
 from pipeline.http import serve_status
-from pipeline.kafka import client_options, ensure_topics
+from pipeline.kafka import client_options, ensure_topics, make_consumer, partitions_of
 from pipeline.service import Service, running
 from pipeline.settings import Settings
 from pipeline.telemetry import Telemetry
-from schemas import AnalysisEvent
+from schemas import AnalysisEvent, AnalysisProgress, DocumentEvent
 from tests.pipeline.fakes import ScriptedEngine
 
 pytestmark = pytest.mark.integration
@@ -36,11 +38,12 @@ async def front_end(
     *,
     worker: bool = True,
     reachable: Callable[[], bool | None] | None = None,
+    engine: ScriptedEngine | None = None,
 ) -> AsyncIterator[str]:
     """The HTTP server with the pages' router, and (unless `worker` is False) a service answering;
     the pages learn whether the broker is reachable from the service (or from `reachable`)."""
     hub = AnswerHub(settings)
-    service = Service(settings, ScriptedEngine(delay_s=0.05), telemetry)
+    service = Service(settings, engine or ScriptedEngine(delay_s=0.05), telemetry)
     front = Front(settings, hub, send_timeout_s=3.0, broker_reachable=reachable or service.broker_reachable)
     stop = asyncio.Event()
     # Topics first: a POST that beats the worker's start-up would otherwise have the broker
@@ -125,6 +128,39 @@ async def test_the_pages_offer_the_configured_kinds_and_refuse_others_as_a_422(
     assert refused.status_code == 422 and refused.json()["detail"][0]["loc"] == ["body", "kind"]
 
 
+async def test_the_page_s_document_is_followed_as_it_is_written_and_no_other_is(
+    settings: Settings, telemetry: Telemetry
+) -> None:
+    engine = ScriptedEngine(piece_delay_s=0.02)
+    async with front_end(settings, telemetry, engine=engine) as url, httpx.AsyncClient(timeout=60) as client:
+        plain = (
+            await publish_documents(settings, [DocumentEvent(document_id="plain", text="洗衣机漏水。")])
+        )[0]
+        accepted = (
+            await client.post(f"{url}/api/analyze", json={"text": "快递晚到了五天。", "wait": False})
+        ).json()
+        events: list[tuple[str, str]] = []
+        async with client.stream(
+            "GET", f"{url}/api/events", params={"event_id": accepted["event_id"]}
+        ) as stream:
+            name = ""
+            async for line in stream.aiter_lines():
+                if line.startswith("event: "):
+                    name = line.removeprefix("event: ")
+                elif line.startswith("data: "):
+                    events.append((name, line.removeprefix("data: ")))
+        await collect_answers(settings, {plain.event_id}, timeout_s=30)
+        progress = await read_topic(settings, settings.topic_progress, wait_s=2.0)
+    names = [n for n, _ in events]
+    assert names[-1] == "analysis" and names.count("partial") >= 2, names
+    partials = [AnalysisProgress.model_validate_json(d) for n, d in events if n == "partial"]
+    assert all(p.event_id == accepted["event_id"] for p in partials)
+    assert [p.seq for p in partials] == sorted({p.seq for p in partials})  # newest only, in order
+    final = AnalysisEvent.model_validate_json(events[-1][1])
+    assert partials[-1].analysis["core_viewpoint"] == final.analysis.core_viewpoint
+    assert {json.loads(v)["event_id"] for v in progress} == {accepted["event_id"]}  # none for `plain`
+
+
 async def test_too_long_input_is_a_413_and_nothing_is_published(
     settings: Settings, telemetry: Telemetry
 ) -> None:
@@ -187,6 +223,24 @@ async def test_the_pages_and_their_assets_are_served_locally(
     ].keys()
 
 
+async def read_topic(settings: Settings, topic: str, wait_s: float) -> list[bytes]:
+    """Every record value on `topic` from its beginning, read for `wait_s`."""
+    consumer = make_consumer(settings, grouped=False)
+    await consumer.start()
+    try:
+        parts = [TopicPartition(topic, p) for p in (await partitions_of(settings, [topic]))[topic]]
+        consumer.assign(parts)
+        await consumer.seek_to_beginning(*parts)
+        values: list[bytes] = []
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while asyncio.get_running_loop().time() < deadline:
+            batch = await consumer.getmany(timeout_ms=200)
+            values += [r.value or b"" for records in batch.values() for r in records]
+        return values
+    finally:
+        await consumer.stop()
+
+
 async def _events(
     client: httpx.AsyncClient,
     url: str,
@@ -206,7 +260,8 @@ async def _events(
                     name, _, value = line.partition(": ")
                     fields[name] = value
                     continue
-                if "data" in fields and fields.get("event") != "state":  # answers, not the live indicator
+                # answers, not the live indicator nor an analysis as it is written
+                if "data" in fields and fields.get("event") not in ("state", "partial"):
                     found.append((fields["id"], fields["event"], json.loads(fields["data"])))
                     if len(found) >= count:
                         return

@@ -23,6 +23,7 @@ from pipeline.service import Service
 from pipeline.settings import Settings
 from pipeline.telemetry import Telemetry
 from schemas import Category, DocumentEvent, DocumentKind
+from tests.pipeline.fakes import ScriptedEngine
 from tests.pipeline.test_front import front_end
 
 pytestmark = pytest.mark.integration
@@ -100,8 +101,13 @@ async def test_a_pasted_chinese_complaint_is_analysed_and_appears_live_on_the_tr
     await page.keyboard.press("Enter")
     await page.wait_for_selector("#status .spinner", timeout=10_000)  # the visible progress state
     await page.screenshot(path=ARTIFACTS / "analyse-waiting-desktop.png")
+    # The report fills in as the model writes it (the viewpoint first), then the analysis lands.
     await page.wait_for_function(
         "!document.querySelector('#viewpoint').classList.contains('placeholder')", timeout=600_000
+    )
+    assert "完成" not in (await page.text_content("#status") or "")
+    await page.wait_for_function(
+        "document.querySelector('#status').textContent.includes('完成')", timeout=600_000
     )
     viewpoint = (await page.text_content("#viewpoint") or "").strip()
     assert viewpoint
@@ -299,4 +305,34 @@ async def test_the_board_says_when_the_worker_cannot_reach_the_broker(
         await page.wait_for_selector("#live.down", timeout=10_000)
         await page.wait_for_function("document.querySelector('#live').textContent.includes('unreachable')")
         assert "实时" not in (await page.text_content("#live") or "")
+    assert errors == []
+
+
+async def test_the_report_fills_in_as_it_is_written(
+    settings: Settings, telemetry: Telemetry, browser: Any
+) -> None:
+    """The labels, then the viewpoint and each item appear while the model is still writing; the
+    finished analysis replaces them."""
+    errors: list[str] = []
+    async with front_end(settings, telemetry, engine=ScriptedEngine(piece_delay_s=0.05)) as site:
+        page = await _page(browser, errors)
+        await page.goto(site)
+        await page.evaluate("""window.log = [];
+            const status = document.querySelector('#status'), view = document.querySelector('#viewpoint');
+            const watch = (node, name, value) => new MutationObserver(() => window.log.push([name, value()]))
+              .observe(node, { childList: true, subtree: true, characterData: true, attributes: true });
+            watch(status, 'status', () => status.textContent);
+            watch(view, 'viewpoint', () => (view.classList.contains('placeholder') ? '' : view.textContent));
+            """)
+        await page.fill("#text", "洗衣机漏水，客服不回电话。")
+        await page.click("#analyze")
+        await page.wait_for_function(
+            "document.querySelector('#status').textContent.includes('完成')", timeout=30_000
+        )
+        log = await page.evaluate("window.log")
+        await page.screenshot(path=ARTIFACTS / "analyse-finished-after-streaming.png")
+    done = next(i for i, (name, value) in enumerate(log) if name == "status" and "完成" in value)
+    shown = next(i for i, (name, value) in enumerate(log) if name == "viewpoint" and value)
+    writing = [i for i, (name, value) in enumerate(log) if name == "status" and "Writing the report" in value]
+    assert writing and writing[0] < shown < done, log  # the viewpoint showed while it was being written
     assert errors == []
