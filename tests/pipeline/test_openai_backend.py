@@ -95,8 +95,12 @@ async def test_start_takes_the_first_listed_model_and_a_generation_streams_with_
     async with backend(handler) as server:
         assert server.model_id == "served-model"
         schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})
-        result = await server.generate(MESSAGES, SamplingParams(max_new_tokens=64, json_schema=schema))
+        pieces: list[str] = []
+        result = await server.generate(
+            MESSAGES, SamplingParams(max_new_tokens=64, json_schema=schema), pieces.append
+        )
     assert result.text == '{"a": 1}' and result.prompt_tokens == 40 and result.output_tokens == 3
+    assert pieces == ['{"a"', ": 1}"]  # each piece as it streams in
     assert result.finish_reason == "stop" and 0 <= result.queued_s <= result.ttft_s <= result.total_s
     body = sent[0]
     assert body["model"] == "served-model" and body["messages"] == MESSAGES and body["max_tokens"] == 64
