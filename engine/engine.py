@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -216,11 +217,20 @@ class Engine:
         except Exception as exc:  # xgrammar rejects the schema: the request fails, not the engine
             raise EngineError(f"the JSON schema cannot be compiled to a grammar: {exc}") from exc
 
-    async def generate(self, prompt_ids: Seq[int], params: SamplingParams | None = None) -> GenerationResult:
+    async def generate(
+        self,
+        prompt_ids: Seq[int],
+        params: SamplingParams | None = None,
+        on_text: Callable[[str], None] | None = None,
+    ) -> GenerationResult:
+        """The finished generation; `on_text`, when given, sees each piece of text as it comes."""
         if params is not None and params.json_schema is not None:
             await self.prepare(params.json_schema)
         handle = self.submit(prompt_ids, params)
         try:
+            if on_text is not None:
+                async for piece in handle.stream():
+                    on_text(piece)
             return await handle.result()
         except asyncio.CancelledError:
             handle.cancel()

@@ -21,13 +21,13 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
-import pydantic_core
 from opentelemetry import trace
 
 from engine import EngineError, EngineOptions, EngineStats, GenerationResult, SamplingParams
 from pipeline.codec import Document
+from pipeline.progress import PartialNarrative, Progress
 from pipeline.telemetry import record_generation
 from pipeline.triage import triage_of
 from prompts import (
@@ -59,9 +59,6 @@ from schemas import (
 
 Messages = Sequence[dict[str, str]]
 OnText = Callable[[str], None]
-# Sees the analysis as written so far (`Analyzer.analyze`): the labels, then the narrative's fields
-# as each one is complete; shaped like `Analysis`, unvalidated, superseded by the analysis itself.
-Progress = Callable[[dict[str, Any]], None]
 
 
 class AnalysisEngine(Protocol):
@@ -99,37 +96,6 @@ class AnalysisOutcome:
     ttft_s: float  # consume -> first token of the first attempt
     batch_size: int  # the largest engine step its sequences ran in
     tpot_s: float | None  # decode seconds per token after the first, first attempt; None: one token
-
-
-class PartialNarrative:
-    """Follows a narrative as it is generated: each time one more of its strings is complete (the
-    viewpoint, an item, the rationale, a field), `progress` sees the labels decided and what is
-    written so far, shaped like an `Analysis`."""
-
-    def __init__(self, decided: dict[str, Any], progress: Progress) -> None:
-        self.decided = decided
-        self.progress = progress
-        self.text = ""
-        self.shown: Any = {}
-
-    def feed(self, piece: str) -> None:
-        self.text += piece
-        if '"' not in piece:  # a string can only be complete where a quote closes it
-            return
-        try:
-            written = pydantic_core.from_json(self.text, allow_partial=True)  # complete strings only
-        except ValueError:
-            return
-        if not isinstance(written, dict) or written == self.shown:
-            return
-        self.shown = written
-        sentiment = dict(self.decided["sentiment"])
-        if isinstance(rationale := written.get("rationale"), str):
-            sentiment["rationale"] = rationale
-        view = {
-            key: written[key] for key in ("core_viewpoint", "key_information", "fields") if key in written
-        }
-        self.progress({**self.decided, **view, "sentiment": sentiment})
 
 
 class AnalysisFailed(Exception):

@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from pipeline.analyzer import AnalysisEngine, AnalysisFailed, Analyzer, Progress
+from pipeline.analyzer import AnalysisEngine, AnalysisFailed, Analyzer
 from pipeline.codec import Document, RawRecord, RecordError, dead_letter, decode_document
 from pipeline.fetch import Unreadable
 from pipeline.metrics import Metrics
+from pipeline.progress import Progress
 from pipeline.settings import Settings
 from pipeline.telemetry import current_trace_id
 from schemas import PROGRESS_HEADER, AnalysisEvent, DeadLetter, DeadLetterReason, EngineSettings, Timings

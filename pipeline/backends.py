@@ -8,11 +8,11 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from engine import EngineOptions, EngineStats, GenerationResult, SamplingParams
+from pipeline.analyzer import Messages, OnText
 from pipeline.telemetry import PROVIDER
 
 if TYPE_CHECKING:
@@ -39,26 +39,11 @@ class EmbeddedBackend:
         await self.engine.prepare(json_schema)
 
     async def generate(
-        self,
-        messages: Sequence[dict[str, str]],
-        params: SamplingParams | None = None,
-        on_text: Callable[[str], None] | None = None,
+        self, messages: Messages, params: SamplingParams | None = None, on_text: OnText | None = None
     ) -> GenerationResult:
-        ids = self.engine.format_chat(messages)
-        if on_text is None:
-            return await self.engine.generate(ids, params)
-        if params is not None and params.json_schema is not None:
-            await self.engine.prepare(params.json_schema)
-        handle = self.engine.submit(ids, params)
-        try:
-            async for piece in handle.stream():
-                on_text(piece)
-            return await handle.result()
-        except asyncio.CancelledError:
-            handle.cancel()
-            raise
+        return await self.engine.generate(self.engine.format_chat(messages), params, on_text)
 
-    async def score(self, messages: Sequence[dict[str, str]], continuations: Sequence[str]) -> list[float]:
+    async def score(self, messages: Messages, continuations: Sequence[str]) -> list[float]:
         return await self.engine.score(self.engine.format_chat(messages), continuations)
 
     def stats(self) -> EngineStats:

@@ -21,7 +21,7 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +35,8 @@ from tenacity import (
 
 from engine import EngineError, EngineOptions, EngineStats, GenerationResult, SamplingParams
 from engine.request import FinishReason
+from pipeline.analyzer import Messages, OnText
+from pipeline.settings import Settings
 
 TOP_LOGPROBS = 20  # the most the OpenAI API returns per token
 _RETRIED_STATUS = frozenset({408, 409, 425, 429})
@@ -108,7 +110,7 @@ class OpenAIBackend:
         self._waiting = self._running = self._sent = self._finished = self._generated = 0
 
     @classmethod
-    def from_settings(cls, settings: Any) -> OpenAIBackend:
+    def from_settings(cls, settings: Settings) -> OpenAIBackend:
         """The backend of `pipeline.settings.Settings` (ANALYZER_BACKEND=openai)."""
         key = settings.openai_api_key.get_secret_value() if settings.openai_api_key is not None else "none"
         client = openai.AsyncOpenAI(
@@ -161,10 +163,7 @@ class OpenAIBackend:
         """Nothing to compile here: the server turns each request's schema into its grammar."""
 
     async def generate(
-        self,
-        messages: Sequence[dict[str, str]],
-        params: SamplingParams | None = None,
-        on_text: Callable[[str], None] | None = None,
+        self, messages: Messages, params: SamplingParams | None = None, on_text: OnText | None = None
     ) -> GenerationResult:
         params = params or SamplingParams()
         if params.forced_ids:
@@ -189,7 +188,7 @@ class OpenAIBackend:
         return result
 
     async def _stream(
-        self, request: dict[str, Any], submitted: float, on_text: Callable[[str], None] | None
+        self, request: dict[str, Any], submitted: float, on_text: OnText | None
     ) -> GenerationResult:
         """One streamed generation; its times counted from `submitted` (a slot's wait is queueing)."""
         started = time.perf_counter()
@@ -228,7 +227,7 @@ class OpenAIBackend:
             completion_tokens=tokens,
         )
 
-    async def score(self, messages: Sequence[dict[str, str]], continuations: Sequence[str]) -> list[float]:
+    async def score(self, messages: Messages, continuations: Sequence[str]) -> list[float]:
         if any(not c for c in continuations):
             raise EngineError("cannot score an empty continuation")
         request: dict[str, Any] = {"model": self.model_id, "messages": list(messages)}

@@ -168,6 +168,14 @@ async def test_without_dynamic_batching_requests_run_one_at_a_time(tiny: LoadedM
     assert all(r.batch_size == 1 for r in results)
 
 
+async def test_generate_passes_each_piece_on_as_it_comes_and_they_make_the_result(tiny: LoadedModel) -> None:
+    async with make_engine(tiny) as engine:
+        pieces: list[str] = []
+        ids = engine.format_chat([{"role": "user", "content": PROMPTS[0]}])
+        result = await engine.generate(ids, SamplingParams(max_new_tokens=24, ignore_eos=True), pieces.append)
+    assert len(pieces) > 1 and "".join(pieces) == result.text
+
+
 async def test_stream_yields_the_result_text(tiny: LoadedModel) -> None:
     async with make_engine(tiny) as engine:
         handle = engine.submit(engine.format_chat([{"role": "user", "content": "会议"}]), SamplingParams(12))
