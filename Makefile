@@ -10,7 +10,7 @@ KAFKA_STAMP   := $(KAFKA_LIBS)/.resolved-$(shell sha1sum deploy/kafka/pom.xml | 
 # llama.cpp's llama-server, the OpenAI-compatible server the ANALYZER_BACKEND=openai tests run against.
 LLAMA_SERVER  := $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/deepanalyze/llama-server-0.3.36/bin/llama-server
 
-.PHONY: install model-large llama-server demo test lint typecheck unit schemas bench bench-full bench-engine bench-validity bench-kv bench-pipeline bench-faults clean bench-cuda bench-peers
+.PHONY: install model-large llama-server demo test lint typecheck unit schemas bench bench-full bench-engine bench-validity bench-kv bench-pipeline bench-faults clean bench-cuda bench-peers bench-probe
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -100,6 +100,9 @@ bench: install
 
 bench-full: install
 	$(BIN)/python -m bench.load_test --profile full --out-dir bench/results/load-full
+
+bench-probe: install
+	$(BIN)/python -m bench.probe --report bench/results/probe.json
 
 bench-quality: install
 	$(BIN)/python -m bench.quality --out bench/results/quality.json

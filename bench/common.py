@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from engine import Engine
     from pipeline.analyzer import LabelPolicy
     from pipeline.settings import Settings
 
@@ -27,6 +28,19 @@ def model_path(arg: Path | None) -> Path:
     from pipeline.settings import load_settings
 
     return arg if arg is not None else resolve_model_path(load_settings())
+
+
+async def analysis_engine(arg: Path | None) -> Engine:
+    """The engine the analysis benchmarks (quality, injection, probe) run `model_path(arg)` on:
+    dynamic batching, 16 at once, a 1 GiB pool, the rest the defaults."""
+    import asyncio
+
+    from engine import Engine, EngineConfig
+
+    config = EngineConfig(
+        model_path=model_path(arg), dynamic_batching=True, max_batch_size=16, kv_cache_bytes=1 << 30
+    )
+    return await asyncio.to_thread(Engine.from_config, config)
 
 
 def label_policy(arg: Path | None) -> LabelPolicy:

@@ -27,7 +27,6 @@ from rich.table import Table
 
 from bench import common, real_data
 from bench.quality import TEAM, bounded, team_rows
-from engine import Engine, EngineConfig
 from pipeline.analyzer import Analyzer, Labels
 from pipeline.backends import EmbeddedBackend
 from pipeline.triage import triage_of
@@ -96,13 +95,7 @@ def outcome(labels: Labels, text: str, language: Language) -> dict[str, Any]:
 
 
 async def run(args: Any) -> dict[str, Any]:
-    config = EngineConfig(
-        model_path=common.model_path(args.model),
-        dynamic_batching=True,
-        max_batch_size=16,
-        kv_cache_bytes=1 << 30,
-    )
-    engine = await asyncio.to_thread(Engine.from_config, config)
+    engine = await common.analysis_engine(args.model)
     policy = common.label_policy(args.model)
     analyzer = Analyzer(
         EmbeddedBackend(engine), trace.NoOpTracer(), max_new_tokens=512, attempts=2, policy=policy

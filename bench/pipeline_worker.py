@@ -11,7 +11,7 @@ from pathlib import Path
 
 from opentelemetry.sdk.trace import TracerProvider
 
-from engine import EngineConfig, EngineStats, GenerationResult, SamplingParams
+from engine import EngineConfig, EngineError, EngineStats, GenerationResult, SamplingParams
 from pipeline.service import Service
 from pipeline.settings import load_settings
 from pipeline.telemetry import setup_telemetry
@@ -46,6 +46,9 @@ class InstantEngine:
     async def prepare(self, json_schema: str) -> None:
         pass
 
+    async def hidden(self, messages: Sequence[dict[str, str]], depth: int) -> list[float]:
+        raise EngineError("the instant engine has no hidden states")
+
     async def generate(
         self,
         messages: Sequence[dict[str, str]],
@@ -72,7 +75,7 @@ class InstantEngine:
 
 
 async def main() -> None:
-    settings = load_settings()
+    settings = load_settings(polarity_from="question")  # the instant engine has no hidden states
     service = Service(settings, InstantEngine(), setup_telemetry(settings, TracerProvider()))
     await service.run(stop_on_signals())
 

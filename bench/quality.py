@@ -33,7 +33,6 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import common, real_data
-from engine import Engine, EngineConfig
 from pipeline.analyzer import AnalysisFailed, Analyzer, LabelPolicy, Scored, decide, probabilities
 from pipeline.backends import EmbeddedBackend
 from pipeline.codec import Document
@@ -128,7 +127,7 @@ def replayed(stored: dict[str, Any], policy: LabelPolicy) -> dict[str, Any]:
         "model": stored["model"],
         "dtype": stored["dtype"],
         "split": stored["split"],
-        "policy": dataclasses.asdict(policy),
+        "policy": policy_summary(policy),
         "stored_policy": stored["policy"],
         "stored_polarity": stored["polarity"],
         "polarity": polarity_reports(rows, sorted(stored["priors"])),
@@ -157,7 +156,8 @@ def team_row(
 
 
 def team_report(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per language: category, urgency and escalation accuracy, and the model's urgency alone."""
+    """Per language: category, urgency and escalation accuracy, the model's urgency alone, and the
+    polarity of the complaints that carry a polarity label."""
 
     def high(urgency: str | None) -> bool:
         return urgency in ("high", "critical")
@@ -169,6 +169,8 @@ def team_report(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "urgency_accuracy": sum(r["urgency"] == r["predicted_urgency"] for r in sel) / len(sel),
             "urgency_accuracy_model_only": sum(r["urgency"] == r["model_urgency"] for r in sel) / len(sel),
             "escalate_accuracy": sum(high(r["urgency"]) == high(r["predicted_urgency"]) for r in sel) / len(sel),
+            "polarity_accuracy": (sum(r["polarity"] == r["predicted_polarity"] for r in labelled) / len(labelled)
+                                  if (labelled := [r for r in sel if r.get("polarity")]) else None),
             "category_confusion": Counter(f"{r['category']}->{r['predicted_category']}" for r in sel
                                           if r["category"] != r["predicted_category"]).most_common(12),
         }
@@ -253,8 +255,8 @@ def replay(
 ) -> list[dict[str, Any]]:
     """Stored rows decided again under `policy` (no model)."""
     return [
-        {**row, "polarity": decide(under(policy, Scored(asked[row["language"]], row["scores"], priors[row["language"]]),
-                                         row["language"]), policy).polarity.value}
+        {**row, "polarity": decide(under(policy, Scored(asked[row["language"]], row["scores"], priors[row["language"]],
+                                                        row.get("probe")), row["language"]), policy).polarity.value}
         for row in rows
     ]  # fmt: skip
 
@@ -262,7 +264,16 @@ def replay(
 def under(policy: LabelPolicy, scored: Scored, language: str) -> Scored:
     """`scored` with the priors `policy` fixes in place of the measured (content-free) ones."""
     priors = {n: policy.fixed_prior(language, scored.asked[n]) or p for n, p in scored.priors.items()}
-    return Scored(scored.asked, scored.logprobs, priors)
+    return Scored(scored.asked, scored.logprobs, priors, scored.probe)
+
+
+def policy_summary(policy: LabelPolicy) -> dict[str, Any]:
+    """The policy as stored with a result: the probe by name, depth and provenance, not its weights."""
+    summary = dataclasses.asdict(dataclasses.replace(policy, probe=None))
+    if policy.probe is not None:
+        summary["probe"] = {"model": policy.probe.model, "depth": policy.probe.depth,
+                            "provenance": dict(policy.probe.provenance)}  # fmt: skip
+    return summary
 
 
 def hygiene_counts(language: Language, document_text: str, value: dict[str, Any]) -> Counter[str]:
@@ -308,14 +319,12 @@ def team_rows(path: Path) -> list[dict[str, Any]]:
 
 
 async def run(args: Any) -> dict[str, Any]:
-    model = common.model_path(args.model)
-    config = EngineConfig(model_path=model, dynamic_batching=True, max_batch_size=16, kv_cache_bytes=1 << 30)
-    engine = await asyncio.to_thread(Engine.from_config, config)
+    engine = await common.analysis_engine(args.model)
     # Every side question is asked and stored (so that `--tune` and the comparison below can replay
     # them); the labels are decided by the service's default policy, which uses the ones it names.
     # The service's policy for this model; the content-free priors are measured and stored all the same.
     policy = common.label_policy(args.model)
-    asks_all = LabelPolicy(polarity_questions=POLARITY_QUESTIONS, urgency_from="model")
+    asks_all = LabelPolicy(polarity_questions=POLARITY_QUESTIONS, urgency_from="model", probe=policy.probe)
     analyzer = Analyzer(
         EmbeddedBackend(engine), trace.NoOpTracer(), max_new_tokens=512, attempts=2, policy=asks_all
     )
@@ -340,20 +349,22 @@ async def run(args: Any) -> dict[str, Any]:
         rows = [
             {"source": r.source, "language": r.language, "label": r.polarity, "polarity": lab.polarity.value,
              "confidence": lab.confidence, "doubt": lab.doubt, "expectation": lab.expectation, "text": r.text,
-             "scores": s.logprobs}
+             "scores": s.logprobs, "probe": s.probe}
             for r, lab, s in zip(real, decided, scored, strict=True)
         ]  # fmt: skip
         results["split"] = args.split
-        results["policy"] = dataclasses.asdict(policy)
+        results["policy"] = policy_summary(policy)
         results["priors"] = {d.language.value: s.priors for s, d in zip(scored, docs, strict=True)}
         results["labels_docs_per_min"] = 60 * len(docs) / label_s
         asked = questions_by_language(results["priors"])
         results["side_questions"] = {}
-        for sides in side_combinations(set(POLARITY_QUESTIONS)):
-            again = replay(
-                rows, asked, results["priors"], dataclasses.replace(policy, polarity_questions=sides)
-            )
-            results["side_questions"]["+".join(sides)] = {
+        variants = [("+".join(sides), dataclasses.replace(policy, polarity_questions=sides, probe=None))
+                    for sides in side_combinations(set(POLARITY_QUESTIONS))]  # fmt: skip
+        if policy.probe is not None:
+            variants.append((f"probe (depth {policy.probe.depth})", policy))
+        for name, variant in variants:
+            again = replay(rows, asked, results["priors"], variant)
+            results["side_questions"][name] = {
                 lang: polarity_report([r for r in again if lang == "all" or r["language"] == lang])
                 for lang in ("all", *args.languages)
             }
@@ -457,11 +468,13 @@ def show_triage(results: dict[str, Any], console: Console) -> None:
         "urgency acc.",
         "urgency (model only)",
         "escalate acc.",
+        "polarity acc.",
         title="Triage — team-written complaints",
     )
     for lang, rep in results["team_triage"].items():
         triage.add_row(lang, str(rep["n"]), f"{rep['category_accuracy']:.3f}", f"{rep['urgency_accuracy']:.3f}",
-                       f"{rep['urgency_accuracy_model_only']:.3f}", f"{rep['escalate_accuracy']:.3f}")  # fmt: skip
+                       f"{rep['urgency_accuracy_model_only']:.3f}", f"{rep['escalate_accuracy']:.3f}",
+                       "-" if rep.get("polarity_accuracy") is None else f"{rep['polarity_accuracy']:.3f}")  # fmt: skip
     console.print(triage)
 
 

@@ -146,6 +146,29 @@ def development(per_language: int, seed: int = 19) -> list[Labelled]:
     return out
 
 
+def training(per_language: int, seed: int = 7) -> list[Labelled]:
+    """Labelled documents a model-specific component may be fitted on (`bench.probe`), disjoint
+    from `sample`'s: English sentences outside the evaluated sample (the development split
+    included), Chinese posts of the `train` split outside the evaluated pool; positive and
+    negative halves."""
+    rng = random.Random(seed)
+    evaluated = {r.text for r in sample(300)}
+    out: list[Labelled] = []
+    english_sets = english()
+    per_file = per_language // len(english_sets)
+    for name, rows in english_sets.items():
+        pool = [(t, y) for t, y in _unique(rows) if t not in evaluated]
+        for label, polarity in ((1, "positive"), (0, "negative")):
+            chosen = rng.sample([t for t, y in pool if y == label], per_file // 2)
+            out += [Labelled(f"uci-{name}", "en", t, polarity) for t in chosen]
+    held = {t for t, _ in chinese()}
+    pool = [(t, y) for t, y in _unique(chinese(("train",))) if t not in held and len(t) >= 20]
+    for label, polarity in ((0, "positive"), (2, "negative")):
+        chosen = rng.sample([t for t, y in pool if y == label], per_language // 2)
+        out += [Labelled("inews", "zh", t, polarity) for t in chosen]
+    return out
+
+
 def _unique(rows: list[tuple[str, int]]) -> list[tuple[str, int]]:
     seen: set[str] = set()
     kept = []

@@ -33,6 +33,7 @@ from engine.request import (
     EngineError,
     FinishReason,
     GenerationResult,
+    HiddenObserver,
     LogitsObserver,
     Request,
     RequestHandle,
@@ -179,9 +180,11 @@ class Engine:
         prompt_ids: Seq[int],
         params: SamplingParams | None = None,
         observer: LogitsObserver | None = None,
+        hidden: HiddenObserver | None = None,
     ) -> RequestHandle:
         """Queues a request. `observer`, if given, sees the fp32 logits of every token it samples
-        (on the worker thread, before sampling): with `forced_ids`, a teacher-forced evaluation."""
+        (on the worker thread, before sampling): with `forced_ids`, a teacher-forced evaluation.
+        `hidden`, if given, likewise sees the hidden state those logits come from at its depth."""
         if self._loop_task is None:
             raise EngineError("engine is not started")
         if not prompt_ids:
@@ -197,7 +200,11 @@ class Engine:
         capacity = self.blocks.num_blocks + self.blocks.num_cold_blocks
         if self.blocks.blocks_for(needed) > capacity:
             raise EngineError(f"{needed} tokens cannot fit the KV pool ({capacity} blocks)")
-        request = Request(self._next_id(), list(prompt_ids), params, asyncio.get_running_loop(), observer)
+        if hidden is not None and not 1 <= hidden[0] <= self.runner.num_layers:
+            raise EngineError(f"depth {hidden[0]}: the model has {self.runner.num_layers} decoder layers")
+        request = Request(
+            self._next_id(), list(prompt_ids), params, asyncio.get_running_loop(), observer, hidden
+        )
         seq = Sequence.of(request.request_id, request)
         self._sequences[seq.seq_id] = seq
         self.scheduler.add(seq)
@@ -251,6 +258,18 @@ class Engine:
             handle.cancel()
             raise
         return rows
+
+    async def hidden(self, prompt_ids: Seq[int], depth: int) -> torch.Tensor:
+        """The hidden state (H,) of the prompt's last token after `depth` decoder layers (fp32, on
+        the CPU): what a probe trained on the model's representations reads."""
+        rows: list[torch.Tensor] = []
+        handle = self.submit(prompt_ids, SamplingParams(max_new_tokens=1), hidden=(depth, rows.append))
+        try:
+            await handle.result()
+        except asyncio.CancelledError:
+            handle.cancel()
+            raise
+        return rows[0]
 
     def stats(self) -> EngineStats:
         bytes_per_block = self.cache.bytes_per_block

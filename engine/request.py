@@ -15,6 +15,9 @@ from engine.config import SamplingParams
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 LogitsObserver = Callable[[torch.Tensor], None]  # sees each next-token fp32 logits row (V,), in order
+# (depth, observer): the observer sees, for each token the request samples, the hidden state (H,)
+# of the position it is sampled from after `depth` decoder layers (fp32, on the CPU).
+HiddenObserver = tuple[int, Callable[[torch.Tensor], None]]
 
 
 class EngineError(RuntimeError):
@@ -46,6 +49,7 @@ class Request:
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
     observer: LogitsObserver | None = None  # called on the engine's worker thread
+    hidden: HiddenObserver | None = None  # likewise
     arrived_at: float = field(default_factory=time.perf_counter)
     scheduled_at: float | None = None
     first_token_at: float | None = None

@@ -9,6 +9,7 @@ the grammar mask. Runs on the engine's worker thread; returns tokens, mutates no
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ from engine.grammar import GrammarCompiler, allocate_bitmask, apply_bitmask
 from engine.kv_cache import KVCache, slots_of
 from engine.kv_policy import Moves
 from engine.loader import LoadedModel
+from engine.request import HiddenObserver
 from engine.scheduler import Chunk
 from engine.sequence import Sequence
 
@@ -40,6 +42,8 @@ class ModelRunner:
         self.blocks = blocks  # read-only here: the scheduler owns allocation
         self.observe = observe  # attention pruning: the observation window to score with (0: off)
         self.vocab_size = int(self.model.config.vocab_size)
+        self.layers: Seq[torch.nn.Module] = self.model.get_decoder().layers
+        self.num_layers = len(self.layers)
         self._grammar: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()  # the engine thread and a preparing thread may race
 
@@ -119,13 +123,20 @@ class ModelRunner:
             group_decodes(decodes, self.cache.shape.num_kv_heads, self.block_size, self.device),
             step_scores,
         )
-        out = self.model(
-            input_ids=torch.tensor([ids], device=self.device),  # (1, T)
-            position_ids=torch.tensor([positions], device=self.device),  # (1, T)
-            use_cache=False,
-            logits_to_keep=torch.tensor(last_rows, dtype=torch.long, device=self.device),
-            step=batch,
+        sampling = [c.seq.request.hidden for c in plan if c.samples]
+        hooks = _HiddenTaps(
+            self.layers, [(row, h) for row, h in zip(last_rows, sampling, strict=True) if h is not None]
         )
+        try:
+            out = self.model(
+                input_ids=torch.tensor([ids], device=self.device),  # (1, T)
+                position_ids=torch.tensor([positions], device=self.device),  # (1, T)
+                use_cache=False,
+                logits_to_keep=torch.tensor(last_rows, dtype=torch.long, device=self.device),
+                step=batch,
+            )
+        finally:
+            hooks.remove()
         if scores is not None:
             starts = {s.q_start: c.seq.seq_id for s, c in zip(seqs, plan, strict=True)}
             scores.update({starts[start]: value.cpu() for start, value in step_scores.items()})
@@ -156,6 +167,32 @@ class ModelRunner:
             if seq.matcher is not None:
                 seq.matcher.accept_token(chosen[row])
         return [int(t) for t in chosen]
+
+
+class _HiddenTaps:
+    """For one forward: the hidden states some sampling rows asked for, handed to their observers
+    as each tapped decoder layer finishes (a forward hook per depth asked, removed afterwards)."""
+
+    def __init__(self, layers: Seq[torch.nn.Module], wanted: list[tuple[int, HiddenObserver]]) -> None:
+        self.handles = []
+        for depth in sorted({d for _, (d, _) in wanted}):
+            taps = [(row, see) for row, (d, see) in wanted if d == depth]
+            self.handles.append(layers[depth - 1].register_forward_hook(_tap(taps)))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _tap(taps: list[tuple[int, Callable[[torch.Tensor], None]]]) -> Callable[..., None]:
+    def hook(module: torch.nn.Module, args: object, output: object) -> None:
+        hidden = output[0] if isinstance(output, tuple) else output  # (1, T, H)
+        if not isinstance(hidden, torch.Tensor):
+            raise TypeError(f"a decoder layer returned {type(hidden).__name__}, not its hidden states")
+        for row, see in taps:
+            see(hidden[0, row].float().cpu().clone())
+
+    return hook
 
 
 def _sample_row(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:

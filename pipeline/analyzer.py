@@ -3,8 +3,9 @@
 1. screen: instruction-like sentences are withheld from the model and flagged (`prompts.injection`);
 2. label: polarity, doubt, expectation and, for complaints, category and urgency are one-word
    questions whose allowed answers the engine scores with the model's own probabilities
-   (`AnalysisEngine.score`); polarity is calibrated against content-free inputs, neutral is
-   decided by its own question; the safety floor and the escalation rule apply (`pipeline.triage`);
+   (`AnalysisEngine.score`); polarity's side is read from the model's hidden state by a probe
+   where the model has one (`pipeline.probe`), else asked and calibrated; neutral is decided by
+   its own question; the safety floor and the escalation rule apply (`pipeline.triage`);
 3. write: the narrative (viewpoint, key information, rationale for the decided polarity) is
    generated under its JSON Schema, cleaned by the hygiene rules, repaired once if need be.
 
@@ -27,6 +28,7 @@ from opentelemetry import trace
 
 from engine import EngineError, EngineOptions, EngineStats, GenerationResult, SamplingParams
 from pipeline.codec import Document
+from pipeline.probe import PolarityProbe, ProbeError
 from pipeline.progress import PartialNarrative, Progress
 from pipeline.telemetry import record_generation
 from pipeline.triage import triage_of
@@ -83,6 +85,8 @@ class AnalysisEngine(Protocol):
 
     async def score(self, messages: Messages, continuations: Sequence[str]) -> list[float]: ...
 
+    async def hidden(self, messages: Messages, depth: int) -> Sequence[float]: ...  # a probe's input
+
     def stats(self) -> EngineStats: ...
 
 
@@ -128,6 +132,8 @@ class Scored:
     asked: dict[str, Question]
     logprobs: dict[str, list[float]]
     priors: dict[str, list[float]]
+    probe: float | None = None  # the polarity probe's log-odds of positive, where the policy has one
+    # (a policy without a probe decides from the questions, even where a reading is stored)
 
 
 @dataclass(frozen=True)
@@ -148,6 +154,9 @@ class LabelPolicy:
     # Complaints' urgency: "rules" (the written criteria, `pipeline.triage.triage_of`; the urgency
     # question is not asked) or "model" (its answer, then the same floor). URGENCY_FROM.
     urgency_from: Literal["rules", "model"] = "rules"
+    # Where given, polarity's side is read from the model's hidden state by this probe (`pipeline.
+    # probe`; a bundled model carries its own) instead of the side questions.
+    probe: PolarityProbe | None = None
 
     def fixed_prior(self, language: str, question: Question) -> list[float] | None:
         """`question`'s prior in option order when the policy fixes it for `language`, else None."""
@@ -179,8 +188,13 @@ def choose(
 
 
 def combined_side(scored: Scored, policy: LabelPolicy) -> tuple[str, float]:
-    """Positive or negative, and its probability: each named side question's calibrated log-odds
-    of positive against negative, averaged (one question: exactly `choose`)."""
+    """Positive or negative, and its probability: the probe's reading where there is one, else each
+    named side question's calibrated log-odds of positive against negative, averaged (one
+    question: exactly `choose`)."""
+    if policy.probe is not None and scored.probe is not None:
+        return _side(1 / (1 + math.exp(-max(-50.0, min(50.0, scored.probe)))))
+    if not policy.polarity_questions:
+        raise ValueError("a label policy without a probe asks at least one side question")
     odds = []
     for name in policy.polarity_questions:
         question = scored.asked[name]
@@ -188,7 +202,10 @@ def combined_side(scored: Scored, policy: LabelPolicy) -> tuple[str, float]:
         positive = shares[question.values.index(Polarity.POSITIVE.value)]
         odds.append(math.log(max(positive, 1e-12)) - math.log(max(1 - positive, 1e-12)))
     mean = sum(odds) / len(odds)
-    p_positive = 1 / (1 + math.exp(-mean))
+    return _side(1 / (1 + math.exp(-mean)))
+
+
+def _side(p_positive: float) -> tuple[str, float]:
     if p_positive >= 0.5:
         return Polarity.POSITIVE.value, p_positive
     return Polarity.NEGATIVE.value, 1 - p_positive
@@ -259,9 +276,19 @@ class Analyzer:
         for language in Language:
             # The questions of a triaged kind: every question there is (their prompts do not
             # depend on the kind, so neither do their priors).
-            for question in self._asked(BUILT_IN_KINDS[DocumentKind.COMPLAINT], language, "").values():
+            every = questions(BUILT_IN_KINDS[DocumentKind.COMPLAINT], language, "")
+            for question in self._asked(every).values():
                 if question.calibrate:
                     await self._prior(language, question.name)
+            if (probe := self.policy.probe) is not None:  # refused now, not at the first document
+                if not probe.covers(language.value):
+                    raise ProbeError(
+                        f"the polarity probe of {probe.model} has no weights for {language.value}"
+                    )
+                # The engine refuses a depth beyond its layers; the state's size must be the probe's.
+                polarity = next(q for q in every if q.name == "polarity")
+                state = await self.engine.hidden(polarity.prompt.messages, probe.depth)
+                probe.check(len(state), probe.depth)
 
     async def _prior(self, language: Language, name: str) -> list[float]:
         key = (language, name)
@@ -296,21 +323,35 @@ class Analyzer:
             raise AnalysisFailed(DeadLetterReason.GENERATION_FAILED, str(exc), None, 1) from exc
 
     async def scores(self, kind: str, language: Language, text: str) -> Scored:
-        """Every labelling question of a (screened) document scored: polarity first, whose
-        prompt's blocks the other questions then find in the engine's prefix cache."""
-        asked = self._asked(self.kinds[kind], language, text)
-        lead, *names = asked
-        first = await self._score(asked[lead])
-        rest = await asyncio.gather(*(self._score(asked[n]) for n in names))
+        """Every labelling question of a (screened) document scored, and the probe's reading where
+        the policy has one. The first request reads the polarity prompt (the probe's, else the
+        first question's); the others find its blocks in the engine's prefix cache."""
+        every = questions(self.kinds[kind], language, text)
+        asked = self._asked(every)
+        names = list(asked)
+        if (probe := self.policy.probe) is not None:
+            polarity = next(q for q in every if q.name == "polarity")
+            reading: float | None = probe.logit(language.value, await self._hidden(polarity, probe.depth))
+            scores = await asyncio.gather(*(self._score(asked[n]) for n in names))
+        else:
+            reading = None
+            first = await self._score(asked[names[0]])
+            scores = [first, *await asyncio.gather(*(self._score(asked[n]) for n in names[1:]))]
         priors = {n: await self._prior(language, n) for n, q in asked.items() if q.calibrate}
-        return Scored(asked, {lead: first, **dict(zip(names, rest, strict=True))}, priors)
+        return Scored(asked, dict(zip(names, scores, strict=True)), priors, reading)
 
-    def _asked(self, kind: KindSpec, language: Language, text: str) -> dict[str, Question]:
-        """The questions the policy uses, a side question first."""
+    async def _hidden(self, question: Question, depth: int) -> Sequence[float]:
+        try:
+            return await self.engine.hidden(question.prompt.messages, depth)
+        except EngineError as exc:
+            raise AnalysisFailed(DeadLetterReason.GENERATION_FAILED, str(exc), None, 1) from exc
+
+    def _asked(self, every: Sequence[Question]) -> dict[str, Question]:
+        """Of a document's questions, those the policy uses (the polarity question, when asked, first)."""
         unused = set(POLARITY_QUESTIONS) - set(self.policy.polarity_questions)
         if self.policy.urgency_from == "rules":
             unused.add("urgency")
-        return {q.name: q for q in questions(kind, language, text) if q.name not in unused}
+        return {q.name: q for q in every if q.name not in unused}
 
     async def label(self, kind: str, language: Language, text: str) -> Labels:
         """The labels of a (screened) document."""

@@ -46,5 +46,9 @@ class EmbeddedBackend:
     async def score(self, messages: Messages, continuations: Sequence[str]) -> list[float]:
         return await self.engine.score(self.engine.format_chat(messages), continuations)
 
+    async def hidden(self, messages: Messages, depth: int) -> list[float]:
+        state = await self.engine.hidden(self.engine.format_chat(messages), depth)
+        return [float(v) for v in state.tolist()]
+
     def stats(self) -> EngineStats:
         return self.engine.stats()

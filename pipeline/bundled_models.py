@@ -51,6 +51,12 @@ class BundledModel:
     # The label policy's polarity prior for this model (`LabelPolicy.polarity_prior`), measured on
     # the development split (`python -m bench.quality --tune`); empty: the content-free prior.
     polarity_prior: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    # Its polarity probe (`pipeline.probe`, written by `python -m bench.probe`), if it has one.
+    has_probe: bool = False
+
+    @property
+    def probe_path(self) -> Path | None:
+        return Path(__file__).with_name("probes") / f"{self.name}.json" if self.has_probe else None
 
     @property
     def folder_name(self) -> str:
@@ -81,6 +87,7 @@ MODELS: Mapping[str, BundledModel] = MappingProxyType(
                     "en": {"positive": 0.5665, "negative": 0.4335},
                     "zh": {"positive": 0.7006, "negative": 0.2994},
                 },
+                has_probe=True,
             ),
             BundledModel(
                 name="qwen2.5-coder-1.5b",

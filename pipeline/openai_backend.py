@@ -227,6 +227,9 @@ class OpenAIBackend:
             completion_tokens=tokens,
         )
 
+    async def hidden(self, messages: Messages, depth: int) -> list[float]:
+        raise EngineError("an OpenAI-compatible server does not expose the model's hidden states")
+
     async def score(self, messages: Messages, continuations: Sequence[str]) -> list[float]:
         if any(not c for c in continuations):
             raise EngineError("cannot score an empty continuation")

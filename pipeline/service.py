@@ -39,6 +39,7 @@ from pipeline.fetch import Fetcher, Unreadable
 from pipeline.kafka import ensure_topics, make_answer_producer, make_consumer, wait_for_broker
 from pipeline.metrics import Metrics, Snapshot
 from pipeline.offsets import OffsetTracker
+from pipeline.probe import PolarityProbe
 from pipeline.publish import ProgressSender, Publisher, PublishError
 from pipeline.settings import Settings
 from pipeline.status import status_report
@@ -77,10 +78,18 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
 
 def label_policy(settings: Settings) -> LabelPolicy:
     """The default policy with the bundled model's measured polarity prior (none for MODEL_PATH or
-    a server's model: the content-free prior is measured on it) and URGENCY_FROM."""
+    a server's model: the content-free prior is measured on it), its polarity probe (or
+    POLARITY_PROBE's) unless POLARITY_FROM=question, and URGENCY_FROM. A probe decides polarity
+    alone: the polarity question is then not asked."""
     bundled = settings.model_path is None and settings.analyzer_backend == "embedded"
     prior = MODELS[settings.model].polarity_prior if bundled else {}
-    return LabelPolicy(polarity_prior=prior, urgency_from=settings.urgency_from)
+    path = settings.polarity_probe or (MODELS[settings.model].probe_path if bundled else None)
+    if settings.polarity_from == "question" or path is None:
+        return LabelPolicy(polarity_prior=prior, urgency_from=settings.urgency_from)
+    probe = PolarityProbe.read(path)
+    return LabelPolicy(
+        polarity_prior=prior, urgency_from=settings.urgency_from, probe=probe, polarity_questions=()
+    )
 
 
 class Service:

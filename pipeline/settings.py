@@ -141,6 +141,14 @@ class Settings(BaseSettings, EngineOptions):
     urgency_from: Literal["rules", "model"] = Field(
         default="rules", description="Complaints' urgency: the written criteria, or the model's answer."
     )
+    polarity_from: Literal["probe", "question"] = Field(
+        default="probe",
+        description="probe: read from the model's hidden state where the model has a probe; question: asked.",
+    )
+    polarity_probe: Path | None = Field(
+        default=None,
+        description="A probe file for MODEL_PATH (`python -m bench.probe`); bundled models have theirs.",
+    )
 
     # Status server (pages, API, /metrics, /healthz). Beyond loopback it needs HTTP_TOKEN: see
     # `_token_beyond_loopback`. HTTP_TOKEN comes first so that STATUS_HOST's validator can see it.
@@ -263,6 +271,15 @@ class Settings(BaseSettings, EngineOptions):
     @model_validator(mode="after")
     def _kinds_readable(self) -> Settings:
         _ = self.kinds  # read and checked now: a bad file stops the worker at start, not at a document
+        return self
+
+    @model_validator(mode="after")
+    def _probe_readable(self) -> Settings:
+        if self.polarity_probe is not None:
+            if self.analyzer_backend != "embedded":
+                raise ValueError("POLARITY_PROBE reads hidden states: it needs ANALYZER_BACKEND=embedded")
+            if not self.polarity_probe.is_file():
+                raise ValueError(f"POLARITY_PROBE={self.polarity_probe} is not a file")
         return self
 
     @model_validator(mode="after")

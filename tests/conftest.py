@@ -96,4 +96,7 @@ def settings(kafka_servers: str, monkeypatch: pytest.MonkeyPatch) -> Settings:
         session_timeout_ms=3_000,
         commit_interval_ms=200,
         status_port=0,
+        # Services here mostly run on the scripted stand-in, a model without a polarity probe; the
+        # real model's tests ask for POLARITY_FROM=probe (the default) themselves.
+        polarity_from="question",
     )

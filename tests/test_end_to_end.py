@@ -20,14 +20,16 @@ from pipeline.kafka import ensure_topics
 from pipeline.service import Service, running
 from pipeline.settings import Settings
 from pipeline.telemetry import Telemetry
-from schemas import AnalysisEvent, DocumentEvent, DocumentKind, Language, SourceCoordinates
+from schemas import AnalysisEvent, DocumentEvent, DocumentKind, Language, Polarity, SourceCoordinates
 
 pytestmark = [pytest.mark.integration, pytest.mark.model]
 EXAMPLE_KINDS = Path(__file__).resolve().parents[1] / "deploy" / "kinds.example.toml"
 
 
 async def test_default_model_analyses_bundled_samples(settings: Settings, telemetry: Telemetry) -> None:
-    settings = Settings(**{**settings.model_dump(), "dynamic_batching": True, "max_batch_size": 4})
+    settings = Settings(
+        **{**settings.model_dump(), "dynamic_batching": True, "max_batch_size": 4, "polarity_from": "probe"}
+    )
     config = settings.engine_config(resolve_model_path(settings))
     engine = await asyncio.to_thread(Engine.from_config, config)
     documents = [
@@ -66,6 +68,10 @@ async def test_default_model_analyses_bundled_samples(settings: Settings, teleme
     assert "PWNED" not in attacked.analysis.core_viewpoint
     assert attacked.analysis.triage is not None and attacked.analysis.sentiment.polarity is not None
     assert engine.stats().largest_batch > 1
+    # The bundled probe reads polarity: a washing machine that floods the neighbours is a negative.
+    assert service.analyzer.policy.probe is not None
+    complaint = next(f[0] for f in answers.values() if f[0].document_id == "sample-complaint-zh")
+    assert isinstance(complaint, AnalysisEvent) and complaint.analysis.sentiment.polarity is Polarity.NEGATIVE
 
 
 async def test_default_model_fills_a_configured_kind_s_own_fields(settings: Settings) -> None:

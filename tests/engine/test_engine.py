@@ -344,6 +344,30 @@ async def test_label_scores_equal_a_direct_forward_pass(tiny: LoadedModel) -> No
                 assert score == pytest.approx(direct_logprob(tiny, prompt, ids[:n]), abs=1e-4)
 
 
+async def test_hidden_states_equal_a_direct_forward_pass_while_others_batch(tiny: LoadedModel) -> None:
+    # The state a probe reads: the prompt's last token after `depth` layers, as a plain forward
+    # pass computes it, for prompts read in chunks, beside other requests, at every depth.
+    layers = int(tiny.model.config.num_hidden_layers)
+    async with make_engine(tiny, dynamic_batching=True, max_batch_size=4, max_tokens_per_step=16) as engine:
+        prompts = [engine.format_chat([{"role": "user", "content": text}]) for text in PROMPTS[:3]]
+        others = [engine.submit(ids, SamplingParams(max_new_tokens=8)) for ids in prompts]
+        seen = await asyncio.gather(*(engine.hidden(ids, d) for ids in prompts for d in range(1, layers + 1)))
+        await asyncio.gather(*(o.result() for o in others))
+        with pytest.raises(EngineError, match="decoder layers"):
+            await engine.hidden(prompts[0], layers + 1)
+    with stock_attention(tiny), torch.inference_mode():
+        direct = [
+            tiny.model(torch.tensor([ids], device=tiny.device), output_hidden_states=True).hidden_states
+            for ids in prompts
+        ]
+    expected = [direct[p][d][0, -1].float().cpu() for p in range(len(prompts)) for d in range(1, layers + 1)]
+    norm = tiny.model.get_decoder().norm
+    with torch.inference_mode():  # HF lists the last layer's output after the final norm
+        got = [norm(s.to(tiny.device)).cpu() if i % layers == layers - 1 else s for i, s in enumerate(seen)]
+    assert all(g.shape == (int(tiny.model.config.hidden_size),) for g in got)
+    assert all(torch.allclose(g, e, atol=1e-4) for g, e in zip(got, expected, strict=True))
+
+
 async def test_scoring_an_empty_option_is_refused(tiny: LoadedModel) -> None:
     async with make_engine(tiny) as engine:
         with pytest.raises(EngineError, match="empty"):

@@ -33,6 +33,7 @@ class ScriptedEngine:
         self._model_id = model_id
         self.calls = 0
         self.scored = 0  # label questions answered
+        self.hidden_asked = 0  # hidden states read (a polarity probe's input)
         self.generated = 0  # tokens of every answer so far
         self.active = 0
         self.max_concurrent = 0
@@ -117,6 +118,13 @@ class ScriptedEngine:
                 return [0.0] * len(continuations)
             preferred = 1
         return [0.0 if i == preferred else -2.0 for i in range(len(continuations))]
+
+    async def hidden(self, messages: Sequence[dict[str, str]], depth: int) -> list[float]:
+        """A scripted state of four values: its first is +1 for a document that says "good" (or
+        "好"), else -1; its second the depth asked (a probe reading the first finds the side)."""
+        self.hidden_asked += 1
+        document = messages[-1]["content"].split("<document>")[-1].split("</document>")[0]
+        return [1.0 if ("good" in document or "好" in document) else -1.0, float(depth), 0.0, 0.0]
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 from opentelemetry import trace
@@ -12,6 +14,7 @@ from opentelemetry import trace
 from engine import EngineError
 from pipeline.analyzer import AnalysisFailed, Analyzer, LabelPolicy, Scored, choose, decide
 from pipeline.codec import Document
+from pipeline.probe import PolarityProbe, ProbeError
 from prompts import questions
 from prompts.render import CONTENT_FREE
 from schemas import (
@@ -171,6 +174,62 @@ async def test_a_fixed_polarity_prior_replaces_the_content_free_one_which_is_the
     assert (await pinned.scores(DocumentKind.FILING, Language.ZH, zh)).priors == (
         await plain.scores(DocumentKind.FILING, Language.ZH, zh)
     ).priors
+
+
+def reading_first(depth: int = 3, languages: tuple[str, ...] = ("zh", "en"), size: int = 4) -> PolarityProbe:
+    """A probe of the scripted engine's four-value state: the log-odds of positive is 2x its first."""
+    weights = {lang: (2.0, *[0.0] * (size - 1)) for lang in languages}
+    return PolarityProbe("scripted", depth, size, weights, dict.fromkeys(languages, 0.0))
+
+
+async def test_a_probe_decides_polarity_from_the_hidden_state_and_the_question_is_not_asked() -> None:
+    engine = ScriptedEngine()
+    policy = LabelPolicy(probe=reading_first(), polarity_questions=())
+    analyzer = Analyzer(engine, trace.NoOpTracer(), max_new_tokens=256, attempts=2, policy=policy)
+    await analyzer.prepare()
+    before = engine.scored
+    # The scripted engine answers every polarity question "negative"; the state says otherwise.
+    good = await analyzer.label(DocumentKind.FILING, Language.EN, "The service was good.")
+    bad = await analyzer.label(DocumentKind.FILING, Language.ZH, "服务太差。")
+    assert good.polarity is Polarity.POSITIVE
+    assert good.confidence == pytest.approx(1 / (1 + math.exp(-2)), abs=1e-4)
+    assert bad.polarity is Polarity.NEGATIVE
+    assert engine.scored - before == 2 * 3  # attitude, doubt, expectation: no side question
+    scored = await analyzer.scores(DocumentKind.FILING, Language.EN, "good")
+    assert scored.probe == pytest.approx(2.0) and "polarity" not in scored.logprobs
+    # Asked as well (the quality benchmark does), the question is stored but the probe decides.
+    both = LabelPolicy(probe=reading_first(), polarity_questions=("polarity",))
+    stored = await Analyzer(engine, trace.NoOpTracer(), max_new_tokens=256, attempts=2, policy=both).scores(
+        DocumentKind.FILING, Language.EN, "good"
+    )
+    assert "polarity" in stored.logprobs and decide(stored, both).polarity is Polarity.POSITIVE
+    assert decide(stored, LabelPolicy()).polarity is Polarity.NEGATIVE  # without the probe: the question's
+
+
+async def test_a_probe_the_model_cannot_serve_is_refused_before_any_document() -> None:
+    for probe, message in (
+        (reading_first(size=8), "8 values"),
+        (reading_first(languages=("en",)), "no weights for zh"),
+    ):
+        analyzer = Analyzer(ScriptedEngine(), trace.NoOpTracer(), max_new_tokens=256, attempts=2,
+                            policy=LabelPolicy(probe=probe, polarity_questions=()))  # fmt: skip
+        with pytest.raises(ProbeError, match=message):
+            await analyzer.prepare()
+
+
+def test_a_probe_file_round_trips_and_a_malformed_one_is_named(tmp_path: Path) -> None:
+    probe = PolarityProbe("m", 2, 3, {"en": (0.5, -1.0, 0.25)}, {"en": 0.1}, {"data": "d"})
+    path = tmp_path / "probe.json"
+    probe.write(path)
+    again = PolarityProbe.read(path)
+    assert again == probe
+    assert again.logit("en", [2.0, 1.0, 4.0]) == pytest.approx(0.5 * 2 - 1.0 + 0.25 * 4 + 0.1)
+    with pytest.raises(ProbeError, match="values for a probe of 3"):
+        again.logit("en", [1.0])
+    for broken in ("{", '{"model": "m"}', json.dumps({**probe.to_json(), "hidden_size": 4})):
+        path.write_text(broken, encoding="utf-8")
+        with pytest.raises(ProbeError, match=r"probe\.json"):
+            PolarityProbe.read(path)
 
 
 async def test_a_complaint_s_urgency_is_asked_only_when_the_model_decides_it() -> None:

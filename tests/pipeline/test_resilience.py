@@ -46,6 +46,7 @@ def own_settings(servers: str, **extra: object) -> Settings:
         topic_partitions=2,
         session_timeout_ms=3_000,
         commit_interval_ms=200,
+        polarity_from="question",  # the scripted stand-in has no polarity probe
         **extra,
     )
 

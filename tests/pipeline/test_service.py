@@ -407,3 +407,24 @@ def test_the_label_policy_carries_the_bundled_model_s_prior_and_none_for_a_model
     assert any(m.polarity_prior for m in MODELS.values())
     elsewhere = Settings(**{**settings.model_dump(), "model_path": tmp_path})
     assert label_policy(elsewhere).polarity_prior == {}
+
+
+def test_the_label_policy_reads_polarity_with_the_bundled_probe_unless_told_otherwise(
+    settings: Settings, tmp_path: Path
+) -> None:
+    default = Settings(**{**settings.model_dump(), "model_path": None, "polarity_from": "probe"})
+    probe = label_policy(default).probe
+    assert probe is not None and probe.covers("zh") and probe.covers("en")
+    assert label_policy(default).polarity_questions == ()  # the question is then not asked
+    asked = Settings(**{**default.model_dump(), "polarity_from": "question"})
+    assert label_policy(asked).probe is None and label_policy(asked).polarity_questions == ("polarity",)
+    elsewhere = Settings(**{**default.model_dump(), "model_path": tmp_path})
+    assert label_policy(elsewhere).probe is None  # a probe belongs to one model's weights
+    own = tmp_path / "probe.json"
+    probe.write(own)
+    assert label_policy(Settings(**{**elsewhere.model_dump(), "polarity_probe": own})).probe == probe
+    with pytest.raises(ValueError, match="POLARITY_PROBE"):
+        Settings(**{**elsewhere.model_dump(), "polarity_probe": tmp_path / "missing.json"})
+    with pytest.raises(ValueError, match="ANALYZER_BACKEND=embedded"):
+        Settings(**{**default.model_dump(), "polarity_probe": own, "analyzer_backend": "openai",
+                    "openai_base_url": "http://127.0.0.1:1/v1"})  # fmt: skip
