@@ -20,7 +20,7 @@ from rich.table import Table
 
 from bench import common
 from engine import Engine, EngineConfig
-from pipeline.analyzer import AnalysisFailed, Analyzer
+from pipeline.analyzer import AnalysisFailed, Analyzer, LabelPolicy
 from pipeline.backends import EmbeddedBackend
 from pipeline.client import load_documents
 from pipeline.codec import Document
@@ -41,6 +41,7 @@ def documents() -> list[Document]:
     for i, event in enumerate(events):
         out.append(
             Document(
+                event_id=f"validity-{i}",
                 document_id=event.document_id or f"doc-{i}",
                 kind=event.kind or DocumentKind.COMPLAINT,
                 language=event.language or detect_language(event.text),
@@ -51,12 +52,14 @@ def documents() -> list[Document]:
     return out
 
 
-async def run(model: Path, max_batch: int) -> list[dict[str, object]]:
+async def run(model: Path, max_batch: int, policy: LabelPolicy) -> list[dict[str, object]]:
     config = EngineConfig(
         model_path=model, dynamic_batching=True, max_batch_size=max_batch, kv_cache_bytes=1 << 30
     )
     engine = await asyncio.to_thread(Engine.from_config, config)
-    analyzer = Analyzer(EmbeddedBackend(engine), trace.NoOpTracer(), max_new_tokens=1024, attempts=2)
+    analyzer = Analyzer(
+        EmbeddedBackend(engine), trace.NoOpTracer(), max_new_tokens=1024, attempts=2, policy=policy
+    )
     async with engine:
 
         async def one(document: Document) -> dict[str, object]:
@@ -80,7 +83,8 @@ def main() -> None:
     args = parser.parse_args()
     console = Console(width=120)
     started = time.perf_counter()
-    results = asyncio.run(run(common.model_path(args.model), args.max_batch))
+    # The service's label policy for the model (the bundled default's: its polarity probe).
+    results = asyncio.run(run(common.model_path(args.model), args.max_batch, common.label_policy(args.model)))
     wall = time.perf_counter() - started
     table = Table("kind", "language", "documents", "valid", "valid on 1st attempt", title="schema validity")
     cells = Counter((r["kind"], r["language"]) for r in results)
