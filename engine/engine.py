@@ -251,25 +251,28 @@ class Engine:
     async def observe(self, prompt_ids: Seq[int], params: SamplingParams) -> list[torch.Tensor]:
         """Runs a request and returns the fp32 logits of every token it sampled, on the CPU."""
         rows: list[torch.Tensor] = []
-        handle = self.submit(prompt_ids, params, lambda logits: rows.append(logits.float().cpu().clone()))
-        try:
-            await handle.result()
-        except asyncio.CancelledError:
-            handle.cancel()
-            raise
+        await self._finished(
+            self.submit(prompt_ids, params, lambda row: rows.append(row.float().cpu().clone()))
+        )
         return rows
 
     async def hidden(self, prompt_ids: Seq[int], depth: int) -> torch.Tensor:
         """The hidden state (H,) of the prompt's last token after `depth` decoder layers (fp32, on
         the CPU): what a probe trained on the model's representations reads."""
         rows: list[torch.Tensor] = []
-        handle = self.submit(prompt_ids, SamplingParams(max_new_tokens=1), hidden=(depth, rows.append))
+        await self._finished(
+            self.submit(prompt_ids, SamplingParams(max_new_tokens=1), hidden=(depth, rows.append))
+        )
+        return rows[0]
+
+    @staticmethod
+    async def _finished(handle: RequestHandle) -> GenerationResult:
+        """The request's result; cancelled with its caller."""
         try:
-            await handle.result()
+            return await handle.result()
         except asyncio.CancelledError:
             handle.cancel()
             raise
-        return rows[0]
 
     def stats(self) -> EngineStats:
         bytes_per_block = self.cache.bytes_per_block

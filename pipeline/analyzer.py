@@ -285,10 +285,8 @@ class Analyzer:
                     raise ProbeError(
                         f"the polarity probe of {probe.model} has no weights for {language.value}"
                     )
-                # The engine refuses a depth beyond its layers; the state's size must be the probe's.
                 polarity = next(q for q in every if q.name == "polarity")
-                state = await self.engine.hidden(polarity.prompt.messages, probe.depth)
-                probe.check(len(state), probe.depth)
+                probe.check(len(await self.engine.hidden(polarity.prompt.messages, probe.depth)))
 
     async def _prior(self, language: Language, name: str) -> list[float]:
         key = (language, name)

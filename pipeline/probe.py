@@ -71,10 +71,11 @@ class PolarityProbe:
             raise ProbeError(f"{path}: depth {probe.depth}, weights not of the hidden size {size}")
         return probe
 
-    def check(self, hidden_size: int, num_layers: int) -> None:
-        """Refuses a model this probe cannot read."""
-        if hidden_size != self.hidden_size or self.depth > num_layers:
+    def check(self, hidden_size: int) -> None:
+        """Refuses a model whose state is not this probe's width (the engine refuses a depth
+        beyond its layers)."""
+        if hidden_size != self.hidden_size:
             raise ProbeError(
-                f"the polarity probe for {self.model} reads a state of {self.hidden_size} values after "
-                f"{self.depth} layers; this model has {hidden_size} values and {num_layers} layers"
+                f"the polarity probe for {self.model} reads a state of {self.hidden_size} values; "
+                f"this model's has {hidden_size}"
             )
