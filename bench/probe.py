@@ -32,8 +32,9 @@ from pipeline.probe import PolarityProbe
 from prompts import questions, screen
 from schemas import BUILT_IN_KINDS, DocumentKind, Language
 
-DEPTHS = (12, 15, 18, 21)
-STRENGTHS = (0.1, 0.3, 1.0, 3.0, 10.0)
+# Depths as fractions of the model's decoder layers: 12, 15, 18 and 21 of the 0.5B model's 24.
+DEPTH_FRACTIONS = (0.5, 0.625, 0.75, 0.875)
+STRENGTHS = (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
 FOLDS = 5
 
 
@@ -73,15 +74,22 @@ def cross_validated(states: torch.Tensor, positive: torch.Tensor, strength: floa
     return right / len(positive)
 
 
-async def states_of(backend: EmbeddedBackend, docs: list[real_data.Labelled]) -> torch.Tensor:
-    """(N, len(DEPTHS), H): each document's polarity-question state at every depth."""
+def depths_for(layers: int) -> tuple[int, ...]:
+    """The depths read in a model of `layers` decoder layers."""
+    return tuple(sorted({min(layers, max(1, round(f * layers))) for f in DEPTH_FRACTIONS}))
+
+
+async def states_of(
+    backend: EmbeddedBackend, docs: list[real_data.Labelled], depths: tuple[int, ...]
+) -> torch.Tensor:
+    """(N, len(depths), H): each document's polarity-question state at every depth."""
 
     async def one(doc: real_data.Labelled) -> torch.Tensor:
         language = Language(doc.language)
         asked = questions(BUILT_IN_KINDS[DocumentKind.FILING], language, screen(doc.text, language).labelled)
         messages = next(q for q in asked if q.name == "polarity").prompt.messages
         rows = []
-        for depth in DEPTHS:  # after the first, the prompt's blocks come from the prefix cache
+        for depth in depths:  # after the first, the prompt's blocks come from the prefix cache
             rows.append(torch.tensor(await backend.hidden(messages, depth)))
         return torch.stack(rows)
 
@@ -96,9 +104,10 @@ async def states_of(backend: EmbeddedBackend, docs: list[real_data.Labelled]) ->
 async def run(args: Any) -> tuple[PolarityProbe, dict[str, Any]]:
     engine = await common.analysis_engine(args.model)
     docs = real_data.training(args.per_language)
+    depths = depths_for(engine.runner.num_layers)
     async with engine:
         started = time.perf_counter()
-        states = await states_of(EmbeddedBackend(engine), docs)
+        states = await states_of(EmbeddedBackend(engine), docs, depths)
         seconds = time.perf_counter() - started
     grid: dict[str, dict[str, dict[str, float]]] = {}
     languages = sorted({d.language for d in docs})
@@ -107,13 +116,13 @@ async def run(args: Any) -> tuple[PolarityProbe, dict[str, Any]]:
         positive = torch.tensor([docs[i].polarity == "positive" for i in rows], dtype=torch.float64)
         grid[lang] = {
             str(depth): {str(s): cross_validated(states[rows, k], positive, s) for s in STRENGTHS}
-            for k, depth in enumerate(DEPTHS)
+            for k, depth in enumerate(depths)
         }
     # One depth for every language (the mean of each language's best), then each language's strength.
     k = max(
-        range(len(DEPTHS)), key=lambda k: sum(max(grid[lang][str(DEPTHS[k])].values()) for lang in languages)
+        range(len(depths)), key=lambda k: sum(max(grid[lang][str(depths[k])].values()) for lang in languages)
     )
-    depth = DEPTHS[k]
+    depth = depths[k]
     weights, bias, chosen = {}, {}, {}
     for lang in languages:
         rows = [i for i, d in enumerate(docs) if d.language == lang]
@@ -133,7 +142,7 @@ async def run(args: Any) -> tuple[PolarityProbe, dict[str, Any]]:
         "chosen": chosen,
     }  # fmt: skip
     probe = PolarityProbe(args.name, depth, int(states.shape[-1]), weights, bias, provenance)
-    report = {"model": engine.model_id, "depths": DEPTHS, "strengths": STRENGTHS, "folds": FOLDS,
+    report = {"model": engine.model_id, "depths": depths, "strengths": STRENGTHS, "folds": FOLDS,
               "grid": grid, "depth": depth, "chosen": chosen, "seconds_reading": round(seconds, 1),
               "documents": len(docs)}  # fmt: skip
     return probe, report

@@ -2,6 +2,7 @@
 
     python -m bench.quality --out bench/results/quality-cpu-0.5b.json
     MODEL=qwen2.5-coder-1.5b python -m bench.quality --out bench/results/quality-cpu-1.5b.json
+    python -m bench.quality --ask policy     # only what the service asks: its documents/min
 
 Three parts, each on the same `pipeline.analyzer.Analyzer` the service runs:
 
@@ -38,7 +39,7 @@ from pipeline.backends import EmbeddedBackend
 from pipeline.codec import Document
 from pipeline.triage import triage_of
 from prompts import Question, hygiene, questions, screen
-from prompts.render import POLARITY_QUESTIONS
+from prompts.render import POLARITY_QUESTIONS, worked_examples
 from schemas import ANSWER_BOUNDS, BUILT_IN_KINDS, Category, DocumentKind, Language, Urgency
 
 TEAM = Path(__file__).with_name("data") / "team-complaints.jsonl"
@@ -286,9 +287,11 @@ def hygiene_counts(language: Language, document_text: str, value: dict[str, Any]
     rationale = (value.get("sentiment") or {}).get("rationale")
     singles.append((rationale or "", bounds.rationale))
     items = [(i, bounds.item) for layer in lists for i in layer if isinstance(i, str)]
+    examples = worked_examples(language)
     for text, bound in [*singles, *items]:
-        counts["cut_at_bound"] += len(text) >= bound
+        counts["cut_at_bound"] += hygiene.reached_bound(text, bound, language)
         counts["mixed_language"] += bool(hygiene.foreign_words(text, language, document_text))
+        counts["copied_example"] += bool(hygiene.copied_example(text, examples, document_text))
     counts["empty_item"] += sum(hygiene.is_filler(i) for i, _ in items)
     keys = [hygiene._letters(i) for i, _ in items]
     counts["repeated_item"] += len(keys) - len(set(keys))
@@ -325,6 +328,8 @@ async def run(args: Any) -> dict[str, Any]:
     # The service's policy for this model; the content-free priors are measured and stored all the same.
     policy = common.label_policy(args.model)
     asks_all = LabelPolicy(polarity_questions=POLARITY_QUESTIONS, urgency_from="model", probe=policy.probe)
+    if args.ask == "policy":  # only what the service asks (and the model's urgency, stored): cheaper
+        asks_all = dataclasses.replace(policy, urgency_from="model")
     analyzer = Analyzer(
         EmbeddedBackend(engine), trace.NoOpTracer(), max_new_tokens=512, attempts=2, policy=asks_all
     )
@@ -332,6 +337,7 @@ async def run(args: Any) -> dict[str, Any]:
         "model": engine.model_id,
         "dtype": str(engine.loaded.dtype),
         "per_language": args.per_language,
+        "asked": args.ask,
     }
     async with engine:
         await analyzer.prepare()
@@ -359,7 +365,7 @@ async def run(args: Any) -> dict[str, Any]:
         asked = questions_by_language(results["priors"])
         results["side_questions"] = {}
         variants = [("+".join(sides), dataclasses.replace(policy, polarity_questions=sides, probe=None))
-                    for sides in side_combinations(set(POLARITY_QUESTIONS))]  # fmt: skip
+                    for sides in side_combinations(set().union(*(r["scores"] for r in rows)))]  # fmt: skip
         if policy.probe is not None:
             variants.append((f"probe (depth {policy.probe.depth})", policy))
         for name, variant in variants:
@@ -510,6 +516,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--take", type=int, default=None, help="per language, the first of the sample (half of each label)"
+    )
+    parser.add_argument(
+        "--ask",
+        choices=("all", "policy"),
+        default="all",
+        help="all: every side question too, for the comparisons; policy: only what the service asks",
     )
     parser.add_argument(
         "--tune",

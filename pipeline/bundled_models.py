@@ -99,6 +99,7 @@ MODELS: Mapping[str, BundledModel] = MappingProxyType(
                 gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
                 extra="model-large",
                 make_target="model-large",
+                has_probe=True,  # `MODEL=qwen2.5-coder-1.5b python -m bench.probe`, 2026-12-03
             ),
         )
     }

@@ -1,19 +1,24 @@
 """Clean text rules for what a model writes: each a small pure function, applied by the parser and
 counted by the quality benchmark (`bench/quality.py`).
 
-1. No word cut by a bound: a field that ran into its length bound is trimmed back to the last
-   clause or word boundary (`trim_cut`).
+1. No word cut by a bound: a field that ran into its length bound (`reached_bound`: within a
+   token of it, not ending a sentence) is trimmed back to the last clause or word boundary and
+   ended as a sentence (`trim_cut`).
 2. No empty item: blank and filler items ("无", "N/A", "…") are dropped (`is_filler`).
 3. The document's language throughout: an item mixing in the other language's words (those the
    document itself does not contain) is found (`foreign_words`).
 4. No item repeated across facts / data / conclusions; data are figures (`sort_layers`).
-5. A viewpoint states a position in a sentence, not a label like "客户投诉" (`is_label_viewpoint`).
+5. A viewpoint states a position in a sentence, not a label like "客户投诉" (`is_label_viewpoint`),
+   and does not open with the attitude word it was given (`without_attitude_lead`).
+6. Nothing taken from the prompt's worked examples: a clause of an example that the document does
+   not contain is the model copying the prompt, not reading the document (`copied_example`).
 """
 
 from __future__ import annotations
 
 import re
 import unicodedata
+from collections.abc import Sequence
 
 from schemas import Language
 
@@ -43,6 +48,10 @@ _EN_LABEL = re.compile(
 )
 
 
+# The viewpoint's pattern as the prompts give it, and its placeholders.
+_TEMPLATE_WORDS = re.compile(r"作者认为|要求|the writer holds that|and asks|\.\.\.|…", re.IGNORECASE)
+
+
 def _letters(text: str) -> str:
     """Lower case, letters and digits only: the text as compared for duplicates and fillers."""
     return "".join(c for c in unicodedata.normalize("NFKC", text).lower() if c.isalnum())
@@ -53,18 +62,32 @@ def is_filler(item: str) -> bool:
     return not _letters(stripped) or stripped in FILLERS
 
 
+# How far short of its bound the decoder may have had to close a text: the next token would not
+# fit ("…the Company repurc" ended at 299 of 300 characters). About the longest token's length.
+_SLACK = {Language.ZH: 4, Language.EN: 16}
+_ENDS = ("。", "！", "？", ".", "!", "?", "…", "”", '"', "）", ")")
+
+
+def reached_bound(text: str, bound: int, language: Language) -> bool:
+    """The text ran into its bound: within a token of it and not ending a sentence."""
+    return len(text) >= bound - _SLACK[language] and not text.endswith(_ENDS)
+
+
 def trim_cut(text: str, bound: int, language: Language) -> str:
-    """`text`, or when it reached `bound` characters (the decoder closed it there, likely inside a
-    word), its part up to the last clause or word boundary. Unchanged when no boundary exists."""
-    if len(text) < bound:
+    """`text`, or when it ran into `bound` (the decoder closed it there, likely inside a word), its
+    part up to the last clause or word boundary, ended as a sentence. Unchanged when no boundary
+    exists."""
+    if not reached_bound(text, bound, language):
         return text
+    stop = "。" if language is Language.ZH else "."
     breaks = _ZH_BREAKS if language is Language.ZH else _EN_BREAKS
     for mark in breaks:
         at = text.rfind(mark)
         if at >= len(text) // 3:  # keep at least a third: a cut at the start says nothing
-            return text[: at + 1].rstrip(" ,;:，、；：")
+            kept = text[: at + 1].rstrip(" ,;:，、；：")
+            return kept if kept.endswith(_ENDS) else kept + stop
     if language is Language.EN and (at := text.rfind(" ")) >= len(text) // 3:
-        return text[:at].rstrip(" ,;:")
+        return text[:at].rstrip(" ,;:") + stop
     return text
 
 
@@ -106,10 +129,40 @@ def _same(a: str, b: str) -> bool:
     return a == b or (min(len(a), len(b)) >= 6 and (a in b or b in a))
 
 
+# A viewpoint that opens with the attitude it was told ("负面，董事会建议…", "Negative: the writer…").
+_ATTITUDE_LEAD = re.compile(
+    r"^\s*(正面|负面|中性|积极|消极|positive|negative|neutral)\s*[，,：:。.;；]\s*", re.IGNORECASE
+)
+
+
+def without_attitude_lead(text: str) -> str:
+    """`text` without an opening attitude word: the attitude is a label of its own, not the viewpoint."""
+    rest = _ATTITUDE_LEAD.sub("", text, count=1)
+    return rest[:1].upper() + rest[1:] if rest and rest != text else text
+
+
 def is_label_viewpoint(text: str, language: Language) -> bool:
     """The viewpoint names the document ("客户投诉", "Financial Analyst") or is too short to
-    state a position (fewer than 6 Chinese characters, or 4 English words)."""
+    state a position (fewer than 6 Chinese characters, or 4 English words, besides the prompt's
+    own pattern "作者认为……，要求……" / "The writer holds that …, and asks …")."""
     stripped = text.strip().strip("。.！!")
+    unfilled = _TEMPLATE_WORDS.sub(" ", stripped)
     if language is Language.ZH:
-        return bool(_ZH_LABEL.match(stripped)) or len(_CJK.findall(stripped)) < 6
-    return bool(_EN_LABEL.match(stripped)) or len(stripped.split()) < 4
+        return bool(_ZH_LABEL.match(stripped)) or len(_CJK.findall(unfilled)) < 6
+    words = [w for w in unfilled.split() if any(c.isalnum() for c in w)]
+    return bool(_EN_LABEL.match(stripped)) or len(words) < 4
+
+
+_CLAUSE_BREAK = re.compile(r"[。！？；，、：.!?;,:]")
+
+
+def copied_example(text: str, examples: Sequence[str], document: str) -> str | None:
+    """The first clause of a worked example (10 letters or more, a Chinese character counting two)
+    that `text` repeats and the document does not contain, or None."""
+    mine, source = _letters(text), _letters(document)
+    for example in examples:
+        for clause in _CLAUSE_BREAK.split(example):
+            key = _letters(clause)
+            if len(key) + len(_CJK.findall(key)) >= 10 and key in mine and key not in source:
+                return clause.strip()
+    return None

@@ -12,7 +12,16 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from prompts.hygiene import foreign_words, is_label_viewpoint, sort_layers, trim_cut
+from prompts.hygiene import (
+    copied_example,
+    foreign_words,
+    is_label_viewpoint,
+    reached_bound,
+    sort_layers,
+    trim_cut,
+    without_attitude_lead,
+)
+from prompts.render import worked_examples
 from schemas import ANSWER_BOUNDS, Analysis, AnswerField, DocumentKind, Language, Narrative
 from schemas.events import ANSWER_MAX_ITEMS
 
@@ -115,14 +124,17 @@ def parse_narrative(
     raw: str, language: Language, document: str, fields: Mapping[str, AnswerField] | None = None
 ) -> Narrative:
     """The model's narrative, cleaned by the hygiene rules (`prompts.hygiene`): fields that ran
-    into their bound trimmed to a word boundary; filler, repeated and foreign-language items
-    dropped; data without a figure moved to facts. Refused (for the repair attempt) when the
-    viewpoint or the rationale is a label or mixes languages, which no trimming can fix, or when
-    an answer to one of the kind's own `fields` is missing or of the wrong type."""
+    into their bound trimmed to a word boundary (list items with none to trim to dropped); filler,
+    repeated and foreign-language items dropped, and so are items copied from the prompt's worked
+    examples; data without a figure moved to facts. Refused (for the repair attempt) when the
+    viewpoint or the rationale is a label, mixes languages, copies a worked example or runs into
+    its bound with no boundary to trim back to, which no trimming can fix, or when an answer to
+    one of the kind's own `fields` is missing or of the wrong type."""
     value = _first_json_object(raw)
     if not isinstance(value, dict):
         raise AnalysisParseError("the JSON value is not an object", raw)
     bounds = ANSWER_BOUNDS[language]
+    examples = worked_examples(language)
     layers = value.get("key_information")
     if isinstance(layers, dict) and all(
         isinstance(layers.get(n), list) for n in ("facts", "data", "conclusions")
@@ -131,7 +143,11 @@ def parse_narrative(
         for name in ("facts", "data", "conclusions"):
             items = [i for i in layers[name] if isinstance(i, str)]
             items = [trim_cut(i.strip(), bounds.item, language) for i in items]
-            cleaned[name] = [i for i in items if not foreign_words(i, language, document)]
+            cleaned[name] = [
+                i for i in items if not foreign_words(i, language, document)
+                and not copied_example(i, examples, document)
+                and not reached_bound(i, bounds.item, language)  # no boundary to trim back to: a run-on
+            ]  # fmt: skip
         facts, data, conclusions = sort_layers(cleaned["facts"], cleaned["data"], cleaned["conclusions"])
         value["key_information"] = {"facts": facts, "data": data, "conclusions": conclusions}
     problems = []
@@ -139,9 +155,14 @@ def parse_narrative(
         text = value.get(name)
         if not isinstance(text, str):
             continue
-        value[name] = text = trim_cut(text.strip(), bound, language)
+        text = trim_cut(text.strip(), bound, language)
+        value[name] = text = without_attitude_lead(text) if name == "core_viewpoint" else text
         if words := foreign_words(text, language, document):
             problems.append(f"{name}: write it in one language (found {', '.join(words[:3])})")
+        if reached_bound(text, bound, language):
+            problems.append(f"{name}: one shorter sentence (it ran into its bound of {bound} characters)")
+        if copied := copied_example(text, examples, document):
+            problems.append(f'{name}: about this document, not the examples (copied "{copied}")')
     value["fields"], wrong = _own_fields(value.get("fields"), fields or {}, language)
     problems += wrong
     viewpoint = value.get("core_viewpoint")

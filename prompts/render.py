@@ -96,9 +96,14 @@ def fence(text: str) -> str:
     return _OPEN_TAG.sub("[document]", text)
 
 
+def worked_examples(language: Language) -> tuple[str, ...]:
+    """The texts of the worked examples every label question in `language` shows the model."""
+    return tuple(line.split("\t", 1)[1] for line in _template(language, "examples").template.splitlines())
+
+
 @cache
 def _examples(language: Language) -> tuple[Message, ...]:
-    """Worked examples of the polarity question, as earlier turns of every conversation: the same
+    """Worked examples of the polarity question, as earlier turns of every label question: the same
     for all documents and questions, so the engine computes them once and reuses them."""
     words = POLARITY_WORDS[language]
     turns: list[Message] = []
@@ -128,12 +133,13 @@ def _system(language: Language) -> str:
     )
 
 
-def _prompt(kind: str, language: Language, text: str, task: str) -> Prompt:
+def _prompt(kind: str, language: Language, text: str, task: str, examples: bool = True) -> Prompt:
+    """System, worked examples (when `examples`), then the document and the task."""
     user = _template(language, "document").substitute(document=fence(text.strip()), task=task)
     system = _system(language)
     messages = [
         {"role": "system", "content": system},
-        *_examples(language),
+        *(_examples(language) if examples else ()),
         {"role": "user", "content": user},
     ]
     return Prompt(kind, language, messages)
@@ -202,7 +208,9 @@ def render(kind: KindSpec, language: Language, text: str, polarity: Polarity = P
         parts.append(_template(language, "fields").substitute(rules="\n".join(rules)))
     shape = ", ".join(f'"{name}": {_FIELD_SHAPES[field.type]}' for name, field in kind.fields.items())
     parts.append(_template(language, "output").substitute(fields=f', "fields": {{{shape}}}' if shape else ""))
-    return _prompt(kind.name, language, text, "\n".join(parts))
+    # Without the worked examples: shown before the document, the 0.5B model wrote its analysis of
+    # an example instead of the document (23 of 66 validity documents, 9 of 10 English reviews).
+    return _prompt(kind.name, language, text, "\n".join(parts), examples=False)
 
 
 def render_repair(prompt: Prompt, previous_output: str, error: str) -> Prompt:

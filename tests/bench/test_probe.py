@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
-from bench.probe import cross_validated, fit
+from bench.probe import cross_validated, depths_for, fit
 from pipeline.bundled_models import DEFAULT_MODEL, MODELS
 from pipeline.probe import PolarityProbe
 
@@ -42,11 +43,24 @@ def test_the_folded_weights_on_raw_states_do_not_depend_on_each_value_s_scale_or
     assert torch.allclose(states @ weights + bias, moved @ weights_moved + bias_moved, atol=1e-4)
 
 
-def test_the_default_model_s_probe_file_is_the_one_its_program_describes() -> None:
-    path = MODELS[DEFAULT_MODEL].probe_path
+# Each bundled model's width and decoder layers (its config.json).
+SHAPES = {"qwen2.5-coder-0.5b": (896, 24), "qwen2.5-coder-1.5b": (1536, 28)}
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_each_bundled_model_s_probe_file_is_the_one_its_program_describes(name: str) -> None:
+    path = MODELS[name].probe_path
     assert path is not None
     probe = PolarityProbe.read(path)
     raw = json.loads(Path(path).read_text(encoding="utf-8"))
-    assert probe.model == DEFAULT_MODEL and set(raw["languages"]) == {"zh", "en"}
+    assert probe.model == name and set(raw["languages"]) == {"zh", "en"}
     assert raw["provenance"]["program"] == "python -m bench.probe"
-    assert probe.hidden_size == 896 and 1 <= probe.depth <= 24  # Qwen2.5-0.5B: 896 wide, 24 layers
+    width, layers = SHAPES[name]
+    assert probe.hidden_size == width and 1 <= probe.depth <= layers
+    assert DEFAULT_MODEL in SHAPES
+
+
+def test_the_depths_read_sit_at_the_same_fractions_of_any_model_s_layers() -> None:
+    assert depths_for(24) == (12, 15, 18, 21)  # the default model's
+    assert depths_for(28) == (14, 18, 21, 24)  # the 1.5B model's
+    assert depths_for(2) == (1, 2)  # a tiny model: each depth once, none beyond its layers

@@ -21,21 +21,21 @@ def test_detect_language(text: str, language: Language) -> None:
 
 @pytest.mark.parametrize("kind", list(DocumentKind))
 @pytest.mark.parametrize("language", list(Language))
-def test_every_prompt_is_system_examples_then_the_document_and_its_task(
+def test_every_question_is_system_examples_then_the_document_and_the_narrative_has_no_examples(
     kind: DocumentKind, language: Language
 ) -> None:
-    prompts = [
-        render(BUILT_IN_KINDS[kind], language, "DOC-BODY"),
-        *(q.prompt for q in questions(BUILT_IN_KINDS[kind], language, "DOC-BODY")),
-    ]
-    for prompt in prompts:
+    narrative = render(BUILT_IN_KINDS[kind], language, "DOC-BODY")
+    asked = [q.prompt for q in questions(BUILT_IN_KINDS[kind], language, "DOC-BODY")]
+    for prompt in [narrative, *asked]:
         system, *examples, user = prompt.messages
         assert system["role"] == "system" and user["role"] == "user"
-        assert [m["role"] for m in examples] == ["user", "assistant"] * (len(examples) // 2) and examples
-        assert prompt.messages[:-1] == prompts[0].messages[:-1]  # one shared prefix for every prompt
+        assert [m["role"] for m in examples] == ["user", "assistant"] * (len(examples) // 2)
+        assert bool(examples) is (prompt is not narrative)  # a model copied them into its analysis
+        assert prompt.messages[:-1] == asked[0].messages[:-1] or prompt is narrative  # one shared prefix
         assert user["content"].count("DOC-BODY") == 1
         assert user["content"].index("<document>") < user["content"].index("DOC-BODY")
         assert "$" not in system["content"] + user["content"]  # every placeholder filled
+    assert narrative.messages[0] == asked[0].messages[0]
     names = [q.name for q in questions(BUILT_IN_KINDS[kind], language, "x")]
     assert ({"category", "urgency"} <= set(names)) is (kind is DocumentKind.COMPLAINT)
     assert names[0] == "polarity"

@@ -100,6 +100,28 @@ def test_narrative_schema_is_what_the_model_writes_bounded(language: Language) -
     assert all(key_info[n]["maxItems"] == ANSWER_MAX_ITEMS for n in ("facts", "data", "conclusions"))
 
 
+@pytest.mark.parametrize("language", list(Language))
+def test_the_decoder_cannot_write_a_one_word_viewpoint_or_rationale(language: Language) -> None:
+    from xgrammar import Grammar
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    grammar = Grammar.from_json_schema(json.dumps(narrative_json_schema(language)))
+    bounds = ANSWER_BOUNDS[language]
+    sentence = ("作者认为热水器漏电危及家人安全，要求全额退款。" if language is Language.ZH
+                else "The writer holds that the heater is unsafe and asks for a full refund.")  # fmt: skip
+    word = "负面" if language is Language.ZH else "Negative"
+    assert len(sentence) >= max(bounds.viewpoint_min, bounds.rationale_min) > len(word)
+
+    def answer(viewpoint: str, rationale: str) -> str:
+        layers = {"facts": [sentence], "data": [], "conclusions": []}
+        value = {"core_viewpoint": viewpoint, "key_information": layers, "rationale": rationale}
+        return json.dumps(value, ensure_ascii=False)
+
+    assert accepts(grammar, answer(sentence, sentence))
+    assert not accepts(grammar, answer(word, sentence))
+    assert not accepts(grammar, answer(sentence, word))
+
+
 def test_triage_category_is_the_closed_taxonomy_in_the_schema_and_its_export() -> None:
     codes = [c.value for c in Category]
     assert "other" in codes and len(codes) == len(set(codes))
