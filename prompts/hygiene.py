@@ -4,7 +4,8 @@ counted by the quality benchmark (`bench/quality.py`).
 1. No word cut by a bound: a field that ran into its length bound (`reached_bound`: within a
    token of it, not ending a sentence) is trimmed back to the last clause or word boundary and
    ended as a sentence (`trim_cut`).
-2. No empty item: blank and filler items ("无", "N/A", "…") are dropped (`is_filler`).
+2. No empty item: blank and filler items ("无", "N/A", "…", a field name such as "data") are
+   dropped (`is_filler`).
 3. The document's language throughout: an item mixing in the other language's words (those the
    document itself does not contain) is found (`foreign_words`).
 4. No item repeated across facts / data / conclusions; data are figures (`sort_layers`).
@@ -29,7 +30,9 @@ _ARABIC = re.compile(r"[0-9０-９]")
 
 FILLERS = frozenset(
     {"无", "暂无", "没有", "不详", "未提及", "未知", "无数据", "无结论", "n/a", "na", "none", "null", "nil",
-     "unknown", "not mentioned", "not applicable", "no data", "nothing", "tbd", "-", "..."}
+     "unknown", "not mentioned", "not applicable", "no data", "nothing", "tbd", "-", "...",
+     # the answer's own field names written as items ("• data", "• conclusions" in the demo)
+     "facts", "data", "conclusions", "rationale", "core_viewpoint", "key_information", "事实", "数据", "结论"}
 )  # fmt: skip
 
 # Clause ends to trim back to, strongest first: sentence ends, then clause breaks.

@@ -169,3 +169,9 @@ def test_a_run_on_with_no_boundary_to_trim_back_to_is_dropped_or_refused() -> No
     assert parsed.key_information.facts == ["The heater leaked."]
     with pytest.raises(AnalysisParseError, match="bound"):
         parse_narrative(narrative(rationale=("x" * 400)[: bounds.rationale]), Language.EN, "x")
+
+
+def test_a_field_name_written_as_an_item_is_dropped() -> None:
+    layers = {"facts": ["The heater leaked.", "data", "conclusions"], "data": ["数据"], "conclusions": []}
+    parsed = parse_narrative(narrative(key_information=layers), Language.EN, "The heater leaked.")
+    assert parsed.key_information.facts == ["The heater leaked."] and parsed.key_information.data == []
