@@ -96,9 +96,16 @@ def fence(text: str) -> str:
     return _OPEN_TAG.sub("[document]", text)
 
 
+@cache
+def _labelled_examples(language: Language) -> tuple[tuple[Polarity, str], ...]:
+    """The worked examples file: each example's polarity and text."""
+    rows = (line.split("\t", 1) for line in _template(language, "examples").template.splitlines())
+    return tuple((Polarity(label), text) for label, text in rows)
+
+
 def worked_examples(language: Language) -> tuple[str, ...]:
     """The texts of the worked examples every label question in `language` shows the model."""
-    return tuple(line.split("\t", 1)[1] for line in _template(language, "examples").template.splitlines())
+    return tuple(text for _, text in _labelled_examples(language))
 
 
 @cache
@@ -106,12 +113,11 @@ def _examples(language: Language) -> tuple[Message, ...]:
     """Worked examples of the polarity question, as earlier turns of every label question: the same
     for all documents and questions, so the engine computes them once and reuses them."""
     words = POLARITY_WORDS[language]
+    task = _template(language, "ask_polarity").template
     turns: list[Message] = []
-    for line in _template(language, "examples").template.splitlines():
-        label, text = line.split("\t", 1)
-        task = _template(language, "ask_polarity").template
+    for label, text in _labelled_examples(language):
         user = _template(language, "document").substitute(document=text, task=task)
-        turns += [{"role": "user", "content": user}, {"role": "assistant", "content": words[Polarity(label)]}]
+        turns += [{"role": "user", "content": user}, {"role": "assistant", "content": words[label]}]
     return tuple(turns)
 
 
