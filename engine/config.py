@@ -58,7 +58,8 @@ class EngineOptions(BaseModel):
     prefix_caching: bool = Field(default=True, description="Reuse the KV blocks of shared prompt prefixes.")
     prepack_weights: bool = Field(
         default=True,
-        description="bf16 linear weights reordered once for oneDNN (CPUs with native bf16 only).",
+        description="Linear weights and the output head reordered once for oneDNN (CPU; fp32, or bf16 "
+        "where the CPU has it natively).",
     )
 
     @field_validator("kv_quant_bits")

@@ -97,8 +97,9 @@ def select_dtype(dtype: DType, device: torch.device) -> torch.dtype:
 def load_model(
     path: Path, device: Device = "auto", dtype: DType = "auto", prepack_weights: bool = True
 ) -> LoadedModel:
-    """`prepack_weights`: the decoder layers' bf16 linear weights reordered once for oneDNN where
-    the CPU computes bf16 natively (`engine.linear`); no effect elsewhere."""
+    """`prepack_weights`: the decoder layers' linear weights and the output head reordered once for
+    oneDNN on a CPU, in fp32 or, where the CPU computes it natively, bf16 (`engine.linear`); no
+    effect elsewhere."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     check_model_folder(path)

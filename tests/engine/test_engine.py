@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, EngineError, GenerationResult, SamplingParams
+from engine.linear import pack_linears
 from engine.loader import LoadedModel
 from engine.selftest import recompute as reference
 from engine.selftest import stock_attention
@@ -27,9 +28,15 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama"])
+@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen2-packed"])
 def tiny(request: pytest.FixtureRequest, test_device: torch.device) -> LoadedModel:
-    return build_tiny(request.param, device=test_device)
+    """Each architecture as transformers builds it, and a Qwen2 whose linear weights and head are
+    packed for oneDNN as the loader packs them on a CPU (every property holds for it too)."""
+    architecture, _, packed = str(request.param).partition("-")
+    loaded = build_tiny("llama" if architecture == "llama" else "qwen2", device=test_device)
+    if packed and pack_linears(loaded.model, test_device, loaded.dtype) == 0:
+        pytest.skip(f"nothing is packed on {test_device}")
+    return loaded
 
 
 def make_engine(tiny: LoadedModel, **overrides: object) -> Engine:
