@@ -1,4 +1,5 @@
-"""What the benchmark programs share: the command line's model option and its resolution.
+"""What the benchmark programs share: the command line's model option and its resolution, and the
+machine a result was measured on.
 
 The pipeline is imported only where needed, so the engine benchmark runs on a host that has the
 engine's packages alone (a GPU host: `bench/cuda_check.sh`)."""
@@ -6,9 +7,11 @@ engine's packages alone (a GPU host: `bench/cuda_check.sh`)."""
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import subprocess
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from engine import Engine
@@ -80,3 +83,10 @@ def stop_process(process: subprocess.Popen[bytes], timeout_s: float) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+
+
+def machine() -> dict[str, Any]:
+    """The CPU count and the instruction-set features a result depends on."""
+    flags = re.search(r"^flags\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.M)
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "fma")
+    return {"cpus": os.cpu_count(), "cpu_flags": [f for f in wanted if flags and f in flags.group(1).split()]}

@@ -31,6 +31,7 @@ GROUPS = (
     ("index_put", "cache writes"),
     ("index_copy", "cache writes"),
     ("aten::topk", "sampling"),
+    ("_linear_pointwise", "linear (weights)"),  # prepacked weights (engine/linear.py)
     ("aten::addmm", "linear (weights)"),
     ("aten::mm", "linear (weights)"),
     ("aten::linear", "linear (weights)"),

@@ -38,6 +38,7 @@ from rich.table import Table
 
 from bench import common
 from bench.engine_variants import WARM_UP_IDS, PeakRSS, arrivals, load_prompts
+from engine.loader import cpu_has_bf16
 
 PEERS = Path(__file__).resolve().parents[1] / ".peers"
 SYSTEMS = ("ours", "vllm", "llama")
@@ -108,13 +109,16 @@ def vllm_server(model: Path, port: int, max_batch: int, max_len: int) -> Server:
         "HF_HUB_OFFLINE": "1",
     }
     env.pop("PYTHONPATH", None)
+    # The dtype our engine's `auto` picks here: bf16 where the CPU has it natively, else fp32 (bf16
+    # emulated is several times slower than fp32 for either system).
+    dtype = "bfloat16" if cpu_has_bf16() else "float32"
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--served-model-name", "m", "--dtype", "bfloat16", "--max-num-seqs", str(max_batch),
+            "--served-model-name", "m", "--dtype", dtype, "--max-num-seqs", str(max_batch),
             "--max-model-len", str(max_len), "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
     version = subprocess.run([str(python), "-c", "import vllm; print(vllm.__version__)"], env=env,
                              capture_output=True, text=True, check=False).stdout.strip()  # fmt: skip
     return Server("vllm", argv, env, f"http://127.0.0.1:{port}", "/v1/completions",
-                  f"vLLM {version or '?'} (CPU), bf16, max-num-seqs {max_batch}, 1 GiB KV")  # fmt: skip
+                  f"vLLM {version or '?'} (CPU), {dtype}, max-num-seqs {max_batch}, 1 GiB KV")  # fmt: skip
 
 
 def llama_server(port: int, slots: int, max_len: int) -> Server:
@@ -257,12 +261,6 @@ def ours_round(args: Any, round_: int) -> list[Result]:
     ]  # fmt: skip
 
 
-def machine() -> dict[str, Any]:
-    flags = re.search(r"^flags\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.M)
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "fma")
-    return {"cpus": os.cpu_count(), "cpu_flags": [f for f in wanted if flags and f in flags.group(1).split()]}
-
-
 def main() -> None:
     parser = common.parser(__doc__)
     parser.add_argument("--systems", default=",".join(SYSTEMS))
@@ -316,7 +314,7 @@ def main() -> None:
         describe["llama_system_info"] = llama_system_info(servers["llama"], logs / "llama-system-info.log")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
-        "machine": machine(), "systems": describe,
+        "machine": common.machine(), "systems": describe,
         "config": {k: str(v) for k, v in vars(args).items()} | {"prompt_tokens": sum(map(len, prompts))},
         "results": [asdict(r) | {"summary": r.summary()} for r in results], "summary": summary,
     }, indent=1))  # fmt: skip

@@ -1,0 +1,59 @@
+"""The linear-format benchmark converts what the engine packs (every decoder linear and the head),
+leaves the reference model alone, times the model's own shapes, and states each int8 format's
+batch dependence truthfully."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from bench.linear_formats import RowInt8Linear, convert, int8_linear, layer_shapes
+from engine.linear import PackedLinear
+from engine.tiny import build_tiny
+
+
+def test_the_shapes_timed_are_the_models_own() -> None:
+    model = build_tiny("qwen2").model
+    layer = model.model.layers[0]
+    own = sorted((m.in_features, m.out_features) for m in layer.modules() if isinstance(m, nn.Linear))
+    assert sorted(layer_shapes(model.config)) == own
+
+
+def test_each_format_converts_every_decoder_linear_and_the_head_of_a_copy() -> None:
+    model = build_tiny("qwen2").model.eval()
+    ids = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 8]])
+    with torch.inference_mode():
+        reference = model(ids).logits
+        packed, int8, rows = convert(model, "packed"), convert(model, "int8"), convert(model, "int8-row")
+        assert isinstance(packed.lm_head, PackedLinear) and isinstance(rows.lm_head, RowInt8Linear)
+        assert not any(type(m) is nn.Linear for c in (packed, int8, rows) for m in c.modules())
+        assert sum(type(m) is nn.Linear for m in model.modules()) > 0  # the reference is untouched
+        torch.testing.assert_close(packed(ids).logits, reference)
+        quantised = [int8(ids).logits, rows(ids).logits]
+    for logits in quantised:
+        assert not torch.equal(logits, reference)  # something was quantised ...
+        assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.75  # ... and little
+
+
+def test_an_int8_rows_product_depends_on_its_batch() -> None:
+    """Why int8 dynamic quantisation would cost the engine its batch independence: one activation
+    scale per call, so a row multiplied beside a row of larger range comes out different."""
+    torch.manual_seed(0)
+    module = int8_linear(nn.Linear(64, 32))
+    row = torch.randn(1, 64)
+    with torch.inference_mode():
+        alone = module(row)
+        beside = module(torch.cat([row, 50 * torch.randn(1, 64)]))[:1]
+    assert not torch.equal(alone, beside)
+
+
+def test_an_int8_row_formats_product_does_not_depend_on_its_batch() -> None:
+    torch.manual_seed(0)
+    module = RowInt8Linear(nn.Linear(64, 32))
+    row = torch.randn(1, 64)
+    with torch.inference_mode():
+        alone = module(row)
+        beside = module(torch.cat([row, 50 * torch.randn(40, 64)]))[:1]
+        exact = nn.functional.linear(row, module.codes_t.t().float() * module.scales[:, None], module.bias)
+    assert torch.equal(alone, beside)
+    torch.testing.assert_close(alone, exact, rtol=0.02, atol=0.02)  # the weights' own rounding aside
