@@ -17,7 +17,9 @@ Formats, all in fp32 activations:
   the engine's outputs would no longer be independent of what it batches;
 - `int8-row`: the same weights, each activation row quantised with a scale of its own (as
   llama.cpp's Q8_0 activations are), multiplied by `torch._int_mm` (int8 x int8 -> int32) and
-  rescaled: independent of the batch, at whatever speed torch's integer product has here.
+  rescaled: independent of the batch, but torch's integer product has no fast CPU kernel (on an
+  AVX2 EPYC, 236 ms a layer at 1 row against 3.7 ms packed): it shows the error such a format
+  makes, and its speed would need a kernel of the engine's own.
 
 Quality: on `--docs` evenly spaced documents of bench/data/kv-corpus.jsonl (the documents the KV
 benchmarks use), the narrative prompt followed by the plain model's greedy continuation
