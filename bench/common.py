@@ -10,6 +10,7 @@ import argparse
 import os
 import re
 import subprocess
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,15 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=None, help="a local Hugging Face model folder")
     return p
+
+
+def names(parser: argparse.ArgumentParser, text: str, known: Iterable[str]) -> list[str]:
+    """The comma-separated names of `text`, each one of `known` (else the parser's error)."""
+    chosen, known = [n for n in text.split(",") if n], list(known)
+    unknown = [n for n in chosen if n not in known]
+    if unknown:
+        parser.error(f"unknown names {unknown}; known: {', '.join(known)}")
+    return chosen
 
 
 def model_path(arg: Path | None) -> Path:

@@ -246,10 +246,7 @@ def main() -> None:
 
     console = Console(width=140)
     args.model = common.model_path(args.model)
-    names = [n for n in args.formats.split(",") if n]
-    unknown = [n for n in names if n not in FORMATS]
-    if unknown:
-        parser.error(f"unknown formats {unknown}; known: {', '.join(FORMATS)}")
+    names = common.names(parser, args.formats, FORMATS)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model: Any = AutoModelForCausalLM.from_pretrained(
         args.model, dtype=torch.bfloat16, attn_implementation="sdpa"

@@ -218,10 +218,7 @@ def main() -> None:
 
     console = Console(width=140)
     args.model = common.model_path(args.model)
-    formats = [f for f in args.formats.split(",") if f]
-    unknown = [f for f in formats if f not in FORMATS]
-    if unknown:
-        parser.error(f"unknown formats {unknown}; known: {', '.join(FORMATS)}")
+    formats = common.names(parser, args.formats, FORMATS)
     if "packed" in formats and not can_pack(torch.device("cpu"), torch.float32):
         parser.error("this torch cannot pack fp32 weights for oneDNN here: leave out `packed`")
     config = AutoConfig.from_pretrained(args.model)
