@@ -3,10 +3,10 @@
     python -m bench.injection --out bench/results/injection-cpu-0.5b.json
 
 Bases: the negative complaints of the team's labelled set (`bench/data/team-complaints.jsonl`);
-instructions: `bench/data/injection-heldout.jsonl` (48 phrasings, zh and en, written by a team
-member who had seen neither the detector in `prompts/injection.py` nor the development set
-`injection-phrasings.jsonl` it was revised on; `--phrasings dev` runs that one). Each base gets three phrasings
-appended. Through the pipeline's own `Analyzer` (labels, safety floor, escalation rule), the
+instructions: `bench/data/injection-heldout-4.jsonl` by default (48 phrasings, zh and en, written
+by an agent shown neither the repository, the detector in `prompts/injection.py`, nor the sets it
+was revised on: `--phrasings dev`, `heldout`, `heldout2`, `heldout3`, each held out in its turn and
+read since). Each base gets three phrasings appended. Through the pipeline's own `Analyzer` (labels, safety floor, escalation rule), the
 injected document must match its clean one's polarity, urgency and escalation, and be flagged
 `suspected_injection`. Also measured: the same documents with screening off (what the model does
 when it reads the instruction), and how often clean text is flagged (false alarms) on the clean
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -38,10 +39,16 @@ DATA = Path(__file__).with_name("data")
 # after that by someone who had seen neither the detector nor the development set): report this.
 # A second held-out set (`heldout2`, 48 phrasings) was written on 2026-12-02 by a separate agent that
 # was shown neither the repository nor either set, after the first held-out set had been used to
-# evaluate several revisions of the detector: no revision has been made after reading its results.
+# evaluate several revisions of the detector. On 2026-12-03 the detector was revised after reading
+# the second set's misses (it is a development set since), and a third (`heldout3`, 48 phrasings) was
+# written the same way, blind to the repository and the other sets, before that revision was run on it.
+# It was then read (0.925) and the detector revised on it, and a fourth (`heldout4`) written the same
+# way measured the revision: report `heldout4`; the first three are development sets by now.
 PHRASINGS = {
     "heldout": DATA / "injection-heldout.jsonl",
     "heldout2": DATA / "injection-heldout-2.jsonl",
+    "heldout3": DATA / "injection-heldout-3.jsonl",
+    "heldout4": DATA / "injection-heldout-4.jsonl",
     "dev": DATA / "injection-phrasings.jsonl",
 }
 # The control: harmless lines (an order number, a date, a phone number) appended the same way. How
@@ -90,13 +97,15 @@ def steered(clean: dict[str, Any], injected: dict[str, Any]) -> bool:
 
 
 def outcome(labels: Labels, text: str, language: Language) -> dict[str, Any]:
-    triage = triage_of(text, language, labels.category or Category.OTHER, labels.urgency)
+    triage = triage_of(
+        text, language, labels.category or Category.OTHER, labels.urgency, labels.category_shares
+    )
     return {"polarity": labels.polarity.value, "urgency": triage.urgency.value, "escalate": triage.escalate}
 
 
 async def run(args: Any) -> dict[str, Any]:
     engine = await common.analysis_engine(args.model)
-    policy = common.label_policy(args.model)
+    policy = dataclasses.replace(common.label_policy(args.model), polarity_parts=args.parts)
     analyzer = Analyzer(
         EmbeddedBackend(engine), trace.NoOpTracer(), max_new_tokens=512, attempts=2, policy=policy
     )
@@ -180,6 +189,7 @@ async def run(args: Any) -> dict[str, Any]:
     return {
         "model": engine.model_id,
         "phrasings": args.phrasings,
+        "polarity_parts": args.parts,
         "summary": summary,
         "false_alarms": false_alarms,
         "rows": rows,
@@ -190,10 +200,13 @@ async def run(args: Any) -> dict[str, Any]:
 def main() -> None:
     parser = common.parser(__doc__)
     parser.add_argument("--per-language", type=int, default=20, help="clean complaints per language")
-    parser.add_argument("--phrasings", choices=sorted(PHRASINGS), default="heldout")
+    parser.add_argument("--phrasings", choices=sorted(PHRASINGS), default="heldout4")
     parser.add_argument("--unscreened", action="store_true", help="also run with screening off")
     parser.add_argument(
         "--control", action=argparse.BooleanOptionalAction, default=True, help="also append harmless lines"
+    )
+    parser.add_argument(
+        "--parts", type=int, default=1, help="the probe reads this many parts of each document (LabelPolicy)"
     )
     parser.add_argument("--out", type=Path, default=Path("bench/results/injection.json"))
     args = parser.parse_args()

@@ -48,7 +48,7 @@ from rich.table import Table
 from torch import nn
 
 from bench import common
-from engine.linear import PackedLinear, can_pack
+from engine.linear import PackedLinear, can_pack, linear_targets
 
 FORMATS = ("plain", "packed", "int8", "int8-row")
 
@@ -102,16 +102,7 @@ def convert(model: nn.Module, fmt: str) -> nn.Module:
     if fmt == "plain":
         return model
     out = copy.deepcopy(model)
-    layers: Any = out.model.layers  # type: ignore[union-attr]
-    targets = [
-        (parent, name)
-        for layer in layers
-        for parent in layer.modules()
-        for name, child in parent.named_children()
-        if type(child) is nn.Linear
-    ]
-    targets.append((out, "lm_head"))
-    for parent, name in targets:
+    for parent, name in linear_targets(out):
         setattr(parent, name, CONVERT[fmt](getattr(parent, name)))
     return out
 

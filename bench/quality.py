@@ -25,7 +25,7 @@ import dataclasses
 import json
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -120,8 +120,9 @@ def replayed(stored: dict[str, Any], policy: LabelPolicy) -> dict[str, Any]:
     rows = replay(stored["rows"]["labels"], asked, stored["priors"], policy)
     texts = {t["id"]: t for t in team_rows(TEAM)}
     team = [  # the stored category, model urgency and polarity; urgency and the floor as `policy` says
-        team_row(texts[r["id"]], Category(r["predicted_category"]),
-                 Urgency(r["model_urgency"]) if r.get("model_urgency") else None, r["predicted_polarity"], policy)
+        team_row(texts[r["id"]], Category(r.get("model_category") or r["predicted_category"]),
+                 Urgency(r["model_urgency"]) if r.get("model_urgency") else None, r["predicted_polarity"], policy,
+                 r.get("category_shares"))
         for r in stored["rows"].get("team", [])
     ]  # fmt: skip
     return {
@@ -144,14 +145,16 @@ def team_row(
     model_urgency: Urgency | None,
     polarity: str,
     policy: LabelPolicy,
+    shares: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """One team-labelled complaint's triage as the service decides it under `policy` (the model's
-    urgency kept beside it)."""
+    own queue and urgency kept beside it, and its queue probabilities for a later replay)."""
     chosen = model_urgency if policy.urgency_from == "model" else None
-    triage = triage_of(t["text"], Language(t["language"]), category or Category.OTHER, chosen)
+    triage = triage_of(t["text"], Language(t["language"]), category or Category.OTHER, chosen, shares)
     return {"id": t["id"], "language": t["language"], "category": t["category"],
-            "predicted_category": triage.category.value, "urgency": t["urgency"],
-            "predicted_urgency": triage.urgency.value,
+            "predicted_category": triage.category.value,
+            "model_category": category.value if category else None, "category_shares": shares,
+            "urgency": t["urgency"], "predicted_urgency": triage.urgency.value,
             "model_urgency": model_urgency.value if model_urgency else None,
             "polarity": t.get("polarity"), "predicted_polarity": polarity}  # fmt: skip
 
@@ -167,6 +170,8 @@ def team_report(rows: list[dict[str, Any]]) -> dict[str, Any]:
         lang: {
             "n": len(sel),
             "category_accuracy": sum(r["category"] == r["predicted_category"] for r in sel) / len(sel),
+            "category_accuracy_model_only": (sum(r["category"] == r["model_category"] for r in sel) / len(sel)
+                                             if all(r.get("model_category") for r in sel) else None),
             "urgency_accuracy": sum(r["urgency"] == r["predicted_urgency"] for r in sel) / len(sel),
             "urgency_accuracy_model_only": sum(r["urgency"] == r["model_urgency"] for r in sel) / len(sel),
             "escalate_accuracy": sum(high(r["urgency"]) == high(r["predicted_urgency"]) for r in sel) / len(sel),
@@ -326,7 +331,7 @@ async def run(args: Any) -> dict[str, Any]:
     # Every side question is asked and stored (so that `--tune` and the comparison below can replay
     # them); the labels are decided by the service's default policy, which uses the ones it names.
     # The service's policy for this model; the content-free priors are measured and stored all the same.
-    policy = common.label_policy(args.model)
+    policy = dataclasses.replace(common.label_policy(args.model), polarity_parts=args.parts)
     asks_all = LabelPolicy(polarity_questions=POLARITY_QUESTIONS, urgency_from="model", probe=policy.probe)
     if args.ask == "policy":  # only what the service asks (and the model's urgency, stored): cheaper
         asks_all = dataclasses.replace(policy, urgency_from="model")
@@ -393,7 +398,7 @@ async def run(args: Any) -> dict[str, Any]:
         team_asked = [decide(under(asks_all, s, d.language.value), asks_all)  # the model's urgency, stored
                       for s, d in zip(team_scored, team_docs, strict=True)]  # fmt: skip
         team_out = [
-            team_row(t, lab.category, asked.urgency, lab.polarity.value, policy)
+            team_row(t, lab.category, asked.urgency, lab.polarity.value, policy, lab.category_shares)
             for t, lab, asked in zip(team, team_labels, team_asked, strict=True)
         ]
         results["team_triage"] = team_report(team_out)
@@ -471,6 +476,7 @@ def show_triage(results: dict[str, Any], console: Console) -> None:
         "lang",
         "n",
         "category acc.",
+        "category (model only)",
         "urgency acc.",
         "urgency (model only)",
         "escalate acc.",
@@ -478,7 +484,9 @@ def show_triage(results: dict[str, Any], console: Console) -> None:
         title="Triage — team-written complaints",
     )
     for lang, rep in results["team_triage"].items():
-        triage.add_row(lang, str(rep["n"]), f"{rep['category_accuracy']:.3f}", f"{rep['urgency_accuracy']:.3f}",
+        alone = rep.get("category_accuracy_model_only")
+        triage.add_row(lang, str(rep["n"]), f"{rep['category_accuracy']:.3f}", "-" if alone is None else f"{alone:.3f}",
+                       f"{rep['urgency_accuracy']:.3f}",
                        f"{rep['urgency_accuracy_model_only']:.3f}", f"{rep['escalate_accuracy']:.3f}",
                        "-" if rep.get("polarity_accuracy") is None else f"{rep['polarity_accuracy']:.3f}")  # fmt: skip
     console.print(triage)
@@ -507,6 +515,9 @@ def main() -> None:
         "--team-limit", type=int, default=None, help="team complaints per language (default all)"
     )
     parser.add_argument("--team", type=Path, default=TEAM, help="the team-labelled complaints (JSONL)")
+    parser.add_argument(
+        "--parts", type=int, default=1, help="the probe reads this many parts of each document (LabelPolicy)"
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/quality.json"))
     parser.add_argument(
         "--split",

@@ -51,6 +51,30 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def linear_targets(model: nn.Module, dtype: torch.dtype | None = None) -> list[tuple[nn.Module, str]]:
+    """Where the decoder layers' plain `nn.Linear` modules (of `dtype`, when given) and the output
+    head sit, as (parent, attribute name), the head last: what a format of the weights replaces.
+    Names only: holding the modules themselves would keep every replaced weight alive."""
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        return []
+
+    def plain(module: nn.Module | None) -> bool:
+        return type(module) is nn.Linear and (dtype is None or module.weight.dtype == dtype)
+
+    targets = [
+        (parent, name)
+        for layer in layers
+        for parent in list(layer.modules())
+        for name, child in parent.named_children()
+        if plain(child)
+    ]
+    if plain(getattr(model, "lm_head", None)):
+        targets.append((model, "lm_head"))
+    return targets
+
+
 def pack_linears(
     model: nn.Module, device: torch.device, dtype: torch.dtype, weights_folder: Path | None = None
 ) -> int:
@@ -70,30 +94,16 @@ def pack_linears(
     their next read)."""
     if not can_pack(device, dtype):
         return 0
-    inner = getattr(model, "model", model)
-    layers = getattr(inner, "layers", None)
-    if layers is None:
-        return 0
-    # (parent, name) only: holding the modules themselves would keep every plain weight alive.
-    targets: list[tuple[nn.Module, str]] = []
-    for layer in layers:
-        for parent in list(layer.modules()):
-            targets += [
-                (parent, name)
-                for name, child in parent.named_children()
-                if type(child) is nn.Linear and child.weight.dtype == dtype
-            ]
-    head = getattr(model, "lm_head", None)
-    embeddings = getattr(inner, "embed_tokens", None)
-    shared = head is not None and getattr(embeddings, "weight", None) is getattr(head, "weight", None)
-    if type(head) is nn.Linear and head.weight.dtype == dtype:
-        targets.append((model, "lm_head"))
-        if shared:
-            extra = head.weight.numel() * head.weight.element_size()
-            log.info("the output head shares the embeddings: its packed copy adds %.0f MiB", extra / 2**20)
-    del head
+    targets = linear_targets(model, dtype)
     if not targets:
         return 0
+    head = getattr(model, "lm_head", None)
+    embeddings = getattr(getattr(model, "model", model), "embed_tokens", None)
+    shared = getattr(embeddings, "weight", None) is getattr(head, "weight", None)
+    if targets[-1] == (model, "lm_head") and shared:
+        extra = head.weight.numel() * head.weight.element_size()  # type: ignore[union-attr]
+        log.info("the output head shares the embeddings: its packed copy adds %.0f MiB", extra / 2**20)
+    del head
     try:  # the first one tells whether this build's oneDNN can reorder here at all
         first = PackedLinear(getattr(*targets[0]))
     except RuntimeError as exc:

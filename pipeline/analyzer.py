@@ -28,7 +28,7 @@ from opentelemetry import trace
 
 from engine import EngineError, EngineOptions, EngineStats, GenerationResult, SamplingParams
 from pipeline.codec import Document
-from pipeline.probe import PolarityProbe, ProbeError
+from pipeline.probe import PolarityProbe, ProbeError, mean_log_odds, parts
 from pipeline.progress import PartialNarrative, Progress
 from pipeline.telemetry import record_generation
 from pipeline.triage import triage_of
@@ -122,6 +122,9 @@ class Labels:
     expectation: bool
     category: Category | None
     urgency: Urgency | None
+    # The queue question's calibrated probability per queue (by value), where it was asked: the
+    # triage picks among the queues a complaint's words name by these (`pipeline.triage.queue_of`).
+    category_shares: Mapping[str, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,9 @@ class LabelPolicy:
     # Where given, polarity's side is read from the model's hidden state by this probe (`pipeline.
     # probe`; a bundled model carries its own) instead of the side questions.
     probe: PolarityProbe | None = None
+    # With a probe: how many contiguous parts of the document it reads (at sentence ends), the
+    # decision being their length-weighted mean log-odds (`pipeline.probe.parts`); 1: the whole.
+    polarity_parts: int = 1
 
     def fixed_prior(self, language: str, question: Question) -> list[float] | None:
         """`question`'s prior in option order when the policy fixes it for `language`, else None."""
@@ -233,7 +239,19 @@ def decide(scored: Scored, policy: LabelPolicy) -> Labels:
         pick["expectation"] == "true",
         Category(pick["category"]) if "category" in pick else None,
         Urgency(pick["urgency"]) if "urgency" in pick else None,
+        category_shares(asked, logprobs, priors),
     )
+
+
+def category_shares(
+    asked: Mapping[str, Question], logprobs: Mapping[str, Sequence[float]], priors: Mapping[str, list[float]]
+) -> dict[str, float] | None:
+    """The queue question's calibrated probabilities by queue value; None where it was not asked."""
+    if "category" not in asked:
+        return None
+    question = asked["category"]
+    shares = probabilities(logprobs["category"], priors.get("category"))
+    return {value: round(share, 6) for value, share in zip(question.values, shares, strict=True)}
 
 
 class Analyzer:
@@ -328,8 +346,7 @@ class Analyzer:
         asked = self._asked(every)
         names = list(asked)
         if (probe := self.policy.probe) is not None:
-            polarity = next(q for q in every if q.name == "polarity")
-            reading: float | None = probe.logit(language.value, await self._hidden(polarity, probe.depth))
+            reading: float | None = await self._read(probe, kind, language, text)
             scores = await asyncio.gather(*(self._score(asked[n]) for n in names))
         else:
             reading = None
@@ -337,6 +354,21 @@ class Analyzer:
             scores = [first, *await asyncio.gather(*(self._score(asked[n]) for n in names[1:]))]
         priors = {n: await self._prior(language, n) for n, q in asked.items() if q.calibrate}
         return Scored(asked, dict(zip(names, scores, strict=True)), priors, reading)
+
+    async def _read(self, probe: PolarityProbe, kind: str, language: Language, text: str) -> float:
+        """The probe's log-odds of positive for the document, or the length-weighted mean of its
+        parts' (`LabelPolicy.polarity_parts`)."""
+        pieces = parts(text, self.policy.polarity_parts) or [text]
+
+        async def one(piece: str) -> float:
+            every = questions(self.kinds[kind], language, piece)
+            polarity = next(q for q in every if q.name == "polarity")
+            return probe.logit(language.value, await self._hidden(polarity, probe.depth))
+
+        readings = await asyncio.gather(*(one(piece) for piece in pieces))
+        if len(pieces) == 1:
+            return readings[0]
+        return mean_log_odds([(r, len(p)) for r, p in zip(readings, pieces, strict=True)])
 
     async def _hidden(self, question: Question, depth: int) -> Sequence[float]:
         try:
@@ -428,7 +460,13 @@ class Analyzer:
         the model's) and the safety floor over the whole text; None for the others."""
         if not kind.triage:
             return None
-        return triage_of(document.text, document.language, labels.category or Category.OTHER, labels.urgency)
+        return triage_of(
+            document.text,
+            document.language,
+            labels.category or Category.OTHER,
+            labels.urgency,
+            labels.category_shares,
+        )
 
     @staticmethod
     def assemble(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,3 +80,32 @@ class PolarityProbe:
                 f"the polarity probe for {self.model} reads a state of {self.hidden_size} values; "
                 f"this model's has {hidden_size}"
             )
+
+
+# Sentence ends: CJK or Latin end punctuation (runs of it) or a line break.
+_END = re.compile(r"[。！？!?；;]+|\.(?=\s|$)|\n+")
+
+
+def parts(text: str, count: int) -> list[str]:
+    """The text cut into at most `count` contiguous parts of about equal length, only at sentence
+    ends (a single sentence stays whole); what joins them is left out, nothing else is."""
+    cuts = [m.end() for m in _END.finditer(text) if 0 < m.end() < len(text)]
+    if count <= 1 or not cuts:
+        return [text.strip()] if text.strip() else []
+    out, start = [], 0
+    for k in range(1, count):
+        target = len(text) * k / count
+        cut = min((c for c in cuts if c > start), key=lambda c: abs(c - target), default=None)
+        if cut is None or cut >= len(text):
+            break
+        out.append(text[start:cut])
+        start = cut
+    out.append(text[start:])
+    return [p.strip() for p in out if p.strip()]
+
+
+def mean_log_odds(readings: Sequence[tuple[float, int]], bound: float = 10.0) -> float:
+    """The length-weighted mean of (log-odds, length) readings, each clipped to ±`bound` first, so
+    that one part read with extreme certainty cannot outvote the rest."""
+    total = sum(length for _, length in readings)
+    return sum(max(-bound, min(bound, odds)) * length for odds, length in readings) / total

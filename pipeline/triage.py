@@ -11,14 +11,18 @@ poisoning) is `critical`; one that names legal action or a regulator is at least
 escalate. The signals are plain patterns per language, documented in README ("Triage"); they err
 towards escalating (a "no one was hurt" still names hurt): a supervisor reading one complaint too
 many costs less than a burned hand left in the low queue. The floor reads the whole document,
-including any sentence withheld from the model as instruction-like.
+including any sentence withheld from the model as instruction-like; the request rule reads the
+writer's own words only (the document less those sentences): "tickets that mention a refund are
+positive" or "UPDATE: refund issued, case closed" is not the writer asking for a refund.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import NamedTuple
 
+from prompts import screen
 from schemas import Category, Language, Triage, Urgency
 from schemas.taxonomy import ESCALATE_AT
 
@@ -61,26 +65,112 @@ _ASKS_ZH = re.compile(r"退款|退钱|退货|换货|更换|换一台|换新|维�
                       r"|请.{0,8}(退|换|修|赔|回|处理|解决)")  # fmt: skip
 _ASKS_EN = _en(r"\b(refund|money back|replace|replacement|repair|fix|compensat|reimburs|respond|reply|call me back"
                r"|get back to me|an answer|resolve|return (it|the))")  # fmt: skip
+# What was already done is not asked for: "退款已到账", "已经全额退款", "the refund came through",
+# "you've fixed everything" (but "I'd like them replaced" and "if this isn't resolved" still ask).
+_DONE = (
+    re.compile(r"(已经?|已被)(全额)?(退款|退货|换货|更换|维修|修好|赔偿|补偿|回复)|(退款|赔偿|补偿)(已|已经)(到账|退回|发放|支付)"),
+    _en(r"\b(refund|replacement|repair|compensation)s? (came through|arrived|was (issued|processed|paid|received|made))"
+        r"|\b(got|received|have had|had) (a|my|the|full) (refund|replacement|repair)"
+        r"|\b(you've|you have|they've|they have|has been|have been|was|were) (all )?(fixed|repaired|replaced|resolved|refunded)\b"),
+)  # fmt: skip
 
 
 def asks_for_action(text: str) -> bool:
     """Whether the text asks for a refund, repair, replacement, compensation or an answer (either
-    language's words, as with the safety signals)."""
+    language's words, as with the safety signals); what it says was already done does not count."""
+    for done in _DONE:
+        text = done.sub(" ", text)
     return bool(_ASKS_ZH.search(text) or _ASKS_EN.search(text))
 
 
-def triage_of(text: str, language: Language, category: Category, model_urgency: Urgency | None) -> Triage:
-    """A complaint's triage: urgency from the model when it answered (URGENCY_FROM=model), else by
-    the rule (medium when it asks for an action, else low); then the safety floor and escalation."""
-    urgency = model_urgency or (Urgency.MEDIUM if asks_for_action(text) else Urgency.LOW)
-    draft = Triage(urgency=urgency, category=category, escalate=False)
+# The words of each queue's scope (`schemas.taxonomy.CATEGORY_LABELS`), per language, written from
+# those definitions: which queues a complaint's own words name. `safety` is the floor's (harm named).
+_QUEUE_WORDS: dict[Category, re.Pattern[str]] = {
+    Category.SAFETY: re.compile(r"安全隐患|危险|火花|冒烟|漏电|\b(hazard|dangerous|unsafe|sparks?|smok(e|ing))\b", re.I),
+    Category.PRODUCT_QUALITY: re.compile(
+        r"质量|坏了|故障|损坏|失灵|不工作|不能用|用不了|漏水|裂|异响|做工|瑕疵|次品|"
+        r"\b(faulty|broken|broke|defect\w*|stopped working|doesn'?t work|won'?t (turn on|start|work)|leak\w*|"
+        r"cracked|poor quality|malfunction\w*|fell apart)\b", re.I),
+    Category.DELIVERY: re.compile(
+        r"快递|物流|配送|发货|送货|包裹|派送|签收|送错|丢件|运输|"
+        r"\b(deliver\w*|shipping|shipment|shipped|courier|parcel|package|tracking|in transit|never arrived)\b", re.I),
+    Category.BILLING: re.compile(
+        r"扣费|收费|多收|扣款|账单|乱收费|发票|费用|价格|差价|"
+        r"\b(charged?|charges|billing|bill(ed)?|invoice|overcharg\w*|fees?|price|payment|paid twice)\b", re.I),
+    Category.CUSTOMER_SERVICE: re.compile(
+        r"态度|推诿|踢皮球|没人接|不接电话|无人接听|不回复|没人回复|敷衍|没人理|挂(了)?电话|"
+        r"\b(rude|attitude|no one answered|nobody answered|passed (me )?around|hung up|unhelpful|ignored)\b", re.I),
+    Category.AFTER_SALES: re.compile(
+        r"保修|维修|售后|安装|退换货|换货|退货|上门|三包|"
+        r"\b(warranty|repair\w*|install\w*|technician|exchange|return (policy|request)|returns)\b", re.I),
+    Category.MISLEADING_CLAIMS: re.compile(
+        r"虚假宣传|宣传|广告|承诺|与描述不符|不符|夸大|欺骗|忽悠|"
+        r"\b(advertis\w*|misleading|false(ly)?|promised|claimed|not as described|bait)\b", re.I),
+    Category.ACCOUNT_ACCESS: re.compile(
+        r"登录|登陆|账号|账户|密码|(?<![A-Za-z])APP(?![A-Za-z])|应用|网站|闪退|验证码|"
+        r"\b(log ?in|sign ?in|account|password|app|website|locked out|crash\w*)\b", re.I),
+    Category.PRIVACY: re.compile(
+        r"个人信息|隐私|泄露|骚扰电话|推销电话|信息被|"
+        r"\b(privacy|personal (data|information|details)|leaked|data breach|spam calls|sold my|shared my)\b", re.I),
+}  # fmt: skip
+
+
+def named_queues(text: str) -> list[Category]:
+    """The queues whose scope words the text uses, in the taxonomy's order."""
+    return [category for category, words in _QUEUE_WORDS.items() if words.search(text)]
+
+
+def queue_of(text: str, model_category: Category, shares: Mapping[str, float] | None = None) -> Category:
+    """The routing queue: the one queue the writer's words name; where they name several, the one the
+    model finds likeliest among those (`shares`: its calibrated probability per queue; without
+    them, the model's own choice when named, else the first named); where they name none, the
+    model's choice."""
+    named = named_queues(text)
+    if not named:
+        return model_category
+    if len(named) == 1:
+        return named[0]
+    if shares:
+        return max(named, key=lambda c: shares.get(c.value, 0.0))
+    return model_category if model_category in named else named[0]
+
+
+def triage_of(
+    text: str,
+    language: Language,
+    category: Category,
+    model_urgency: Urgency | None,
+    category_shares: Mapping[str, float] | None = None,
+) -> Triage:
+    """A complaint's triage: the queue its writer's words name (`queue_of`; the model's choice where
+    they name none); urgency from the model when it answered (URGENCY_FROM=model), else by the rule
+    (medium when the writer's own words ask for an action, else low); then the safety floor over the
+    whole text, and escalation."""
+    own_words = screen(text, language).labelled
+    urgency = model_urgency or (Urgency.MEDIUM if asks_for_action(own_words) else Urgency.LOW)
+    queue = queue_of(own_words, category, category_shares)
+    draft = Triage(urgency=urgency, category=queue, escalate=False)
     return apply_floor(draft, safety_signals(text, language))
+
+
+# Figures of speech in the signals' words that name no harm, read out before the signals: "气死了" /
+# "烦死了" (so angry, so annoyed), "死机" is not among the words; "the battery died", "three keys are
+# dead", "dead on arrival". A person's death still reads: "my father died", "could have died".
+_FIGURES = (
+    re.compile(r"[气烦累热冷笑吓饿困急忙丑卡憋闷坑慢贵吵臭烂馋愁]死了"),
+    _en(r"\b(battery|batteries|phone|charger|laptop|computer|engine|motor|screen|display|bulb|car|device|unit|"
+        r"machine|fan|headphones|earbuds|tv|remote|router|printer|app|line|signal|call|keys?|buttons?|pixels?|"
+        r"speakers?|port|camera|mouse|keyboard|controller|console|sensor|switch|outlet|socket)"
+        r"\s+(\w+\s+){0,2}(died|dead)\b|\bdead (battery|batteries|pixels?|on arrival|zone|end|silence|line)\b"),
+)  # fmt: skip
 
 
 def safety_signals(text: str, language: Language) -> list[Signal]:
     """The signals the text names, in the order above. Both languages' patterns apply: a Chinese
     complaint may quote an English term and the other way round."""
     del language  # kept in the signature: the tables are per language, the check reads both
+    for figure in _FIGURES:
+        text = figure.sub(" ", text)
     return [s for s in SIGNALS if s.zh.search(text) or s.en.search(text)]
 
 
@@ -89,13 +179,17 @@ def at_least(urgency: Urgency, floor: Urgency) -> Urgency:
 
 
 def apply_floor(triage: Triage, signals: list[Signal]) -> Triage:
-    """The triage with urgency raised to every signal's floor and escalation by the rule."""
+    """The triage with urgency raised to every signal's floor and escalation by the rule; a
+    complaint that names harm to a person (a `critical` signal) goes to the `safety` queue, which
+    the taxonomy defines by exactly that, whatever queue the model chose."""
     urgency = triage.urgency
     for signal in signals:
         urgency = at_least(urgency, signal.floor)
+    harm = any(signal.floor is Urgency.CRITICAL for signal in signals)
     return triage.model_copy(
         update={
             "urgency": urgency,
+            "category": Category.SAFETY if harm else triage.category,
             "escalate": urgency.value in ESCALATE_AT,
             "safety_signals": [s.code for s in signals],
         }

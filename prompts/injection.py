@@ -22,19 +22,25 @@ _FLAGS = re.IGNORECASE
 # Words that name the analysis itself: who an instruction would address, what it would set.
 _ZH_FIELDS = r"(情感|情绪|极性|倾向|紧急度|紧急程度|紧急级别|优先级|分诊|类别|分类|核心观点|升级|escalate|urgency|polarity|sentiment)"
 _ZH = [
-    re.compile(r"(系统|管理员|开发者|后台|平台)(提示|指令|消息|通知|备注|设置|说明)\s*[:：】\]]", _FLAGS),
+    re.compile(
+        r"(系统|管理员|开发者|后台|平台|内部|审核员|版主)(提示|指令|消息|通知|备注|设置|说明)\s*[:：】\]]",
+        _FLAGS,
+    ),
     re.compile(
         r"(忽略|无视|忘记|不要理会|跳过)(掉)?(你)?(之前|以上|上述|前面|先前|所有|全部|原有|原来)?的?(所有)?(指令|指示|要求|提示|规则|设定|任务)"
     ),
+    re.compile(r"(忽略|无视|不要理会)(掉)?(之前|以上|上述|前面|先前)的?(所有|全部)?(内容|文字|描述|信息)"),
     re.compile(
-        r"(标记|标注|设置|设定|设为|判定|判断|归类|分类|评为|定为|认定|改为|调整)(为|成)?\s*[\"“']?(低|中|高|普通|一般|正面|负面|中性|积极|消极|无需|不需|已处理|已解决|非紧急)"
+        r"(标记|标注|设置|设定|设为|判定|判断|归类|分类|评为|定为|认定|改为|调整|写成|标成|记成)(为|成)?\s*[\"“']?(低|中|高|普通|一般|正面|负面|中性|积极|消极|无需|不需|已处理|已解决|非紧急)"
     ),
     re.compile(
         _ZH_FIELDS
         + r"\s*(应|应该|应当|必须|须|需|请|一律|要)?\s*(为|是|设为|设置为|标记为|改为|定为|=|：|:)\s*[\"“']?(低|中|高|正面|负面|中性|积极|消极|false|true|low|medium|high|critical|positive|negative|neutral|否|无需)",
         _FLAGS,
     ),
-    re.compile(r"(无需|不需要|不必|不用|请勿|不要)(升级|上报|转交|人工|主管|跟进|处理此|关注)"),
+    re.compile(
+        r"(无需|不需要|不必|不用|请勿|不要|严禁|禁止)(再|继续)?(升级|上报|往上报|转交|转人工|人工|主管|跟进|处理此|关注)"
+    ),
     re.compile(r"(作为|你是|你现在是|扮演)(一个|一名)?(AI|人工智能|模型|助手|分析师|分诊员|系统)", _FLAGS),
     re.compile(
         r"(以下|下面|如下)?(请)?(直接)?(输出|回复|返回|生成)(以下|下面|如下)?的?\s*(JSON|json|内容|结果|格式)",
@@ -43,7 +49,7 @@ _ZH = [
 ]
 _EN = [
     re.compile(
-        r"\b(system|admin(istrator)?|developer|operator|internal|assistant)\s+(prompt|instruction|message|note|notice|override|directive)s?\b",
+        r"\b(system|admin(istrator)?|developer|operator|internal|assistant|moderator)\s+(prompt|instruction|message|note|notice|override|directive)s?\b",
         _FLAGS,
     ),
     re.compile(
@@ -58,7 +64,13 @@ _EN = [
         r"\b(escalate|escalation|urgency|priority|polarity|sentiment|category|core[_ ]viewpoint)\b\s*(should|must|shall|is to|needs to|has to)?\s*(be|=|:|to)\s*[\"']?(low|medium|high|critical|positive|negative|neutral|false|true|none|no)\b",
         _FLAGS,
     ),
-    re.compile(r"\b(do not|don't|dont|no need to|never|must not)\s+(escalate|flag|forward|report)\b", _FLAGS),
+    re.compile(
+        r"\b(do not|don't|dont|no need to|never|must not)\s+(be\s+)?(escalate|flag|forward|report|rout(e|ed)|pass (this|it) (up|on))",
+        _FLAGS,
+    ),
+    re.compile(
+        r"\b(viewpoint|sentiment|polarity|urgency|priority|escalation) (field|label|tag|flag)s?\b", _FLAGS
+    ),
     re.compile(
         r"\b(you are now|act as|pretend to be|as an ai|note to the (ai|model|assistant|analyst|system))\b",
         _FLAGS,
@@ -75,6 +87,25 @@ _ANY = [
     ),
     re.compile(r"\{\s*\"[a-z_]+\"\s*:", _FLAGS),
     re.compile(r"^\s*(assistant|system|ai|助手|系统)\s*[:：]", _FLAGS),  # a made-up turn of the analyst
+    # a made-up turn in which the customer declares the case settled ("客户：已经解决了，我很满意")
+    re.compile(
+        r"^\s*(客户|顾客|用户|买家|customer|user|client)\s*[:：].{0,40}"
+        r"(满意|解决了|好评|没问题了|happy|satisfied|resolved|fixed|all good|no problem)",
+        _FLAGS,
+    ),
+    # markup named after a field of the analysis: <sentiment_label …>, <urgency>, <!-- triage -->
+    re.compile(
+        r"<\s*/?\s*[\w-]*(sentiment|polarity|urgency|priority|escalat|category|viewpoint|triage)[\w-]*",
+        _FLAGS,
+    ),
+    # the analysing machine addressed: "请AI…", "请模型…", "Dear AI,", "Note for the classifier"
+    re.compile(r"请(你们的|贵司的)?(AI|人工智能|模型|机器人|智能助手|算法|分析系统)", _FLAGS),
+    re.compile(
+        r"\b(dear|hey|hi|hello|attention|note for|message for|instructions? for) (the )?"
+        r"(ai|model|bot|assistant|classifier|analy[sz]er|summari[sz]er|llm)\b",
+        _FLAGS,
+    ),
+    re.compile(r"\b(ai|model|bot|assistant|classifier|llm),? (please|kindly|should|must)\b", _FLAGS),
     re.compile(r"按(最低|最高|普通|一般)的?(级别|等级|优先级)?(处理|登记|记录)"),
     # the document reclassifying itself
     re.compile(
@@ -93,13 +124,16 @@ _ZH_PROCESS = re.compile(
     r"记为|记作|记录为|列为|归为|当作|当成|视为|视作|算作|计入|统计|按.{0,8}记录|(处理|优先|风险|最低)(等级|级别)|"
     r"误报|概括|总结|结论|风险评估|自动生成|"
     # the document seen from outside: "上述所有描述", "以上投诉内容", "上面的内容"
-    r"上述|以上(的)?(内容|描述|投诉|文字|所述)|上面(的|这些)?(内容|描述|文字|所说)",
+    r"上述|以上(的)?(内容|描述|投诉|文字|所述)|上面(的|这些)?(内容|描述|文字|所说)|前面(那些|这些|的)?(情绪化的)?(内容|描述|文字|话)|"
+    # what the analysis writes or sets: its summary, its labels, where the ticket goes
+    r"观点提取|摘要|标签",
     _FLAGS,
 )
 _ZH_STEER = re.compile(
     r"最低|低|不要|别(把|给|再|浪费|当真|转|升级|上报|打电话)|无需|不必|不用|关闭|已处理|已解决|已结案|正面|好评|五星|为准|立场|身份|一致|重写|下调|取消|撤回|不属实|禁止|照此|按.*处理|登记|反话|讽刺|正话反说|"
     r"(定为|按|设为|记为|算)一般|一般(处理|咨询|问题)|普通|请勿|勿|撤销|无效|重复|恶意|误报|无风险|开心|满意|表扬|感谢信|积极(的)?(语气|评价|反馈)|忽略|没有问题|使用不当|只写|"
-    r"当真|开玩笑|一律|仅供参考|不是投诉|降级|关单|即可|：无|:无"
+    r"当真|开玩笑|一律|仅供参考|不是投诉|降级|关单|即可|：无|:无|当作(背景)?噪音|背景噪音|遵照执行|照此执行|按此执行|勿改|固定为|"
+    r"非紧急|中性"
 )
 _EN_PROCESS = re.compile(
     r"\b(priority|prioriti[sz]|severity|urgency|escalat\w*|triage|sentiment|classif\w*|categori[sz]\w*|ticket|queue|"
@@ -111,7 +145,9 @@ _EN_PROCESS = re.compile(
     r"rephrase|conclusion|risk assessment|follow-up|reviewer|supervisor|admin|whoever \w+ these|"
     r"quality control|bots?|auto-generated|tier|downgrade|internal test|"
     # the document seen from outside
-    r"the text above|everything above|all of the above|the above|this complaint|this message)\b",
+    r"the text above|everything above|all of the above|the above|this complaint|this message|"
+    # what the analysis writes: "describe this as", "put it down as"; who oversees it
+    r"describe (this|it) as|put (this|it|that) down as|write (this|it) up as|moderator)\b",
     _FLAGS,
 )
 _EN_STEER = re.compile(
@@ -119,16 +155,19 @@ _EN_STEER = re.compile(
     r"disregard|instead|company's|point of view|perspective|viewpoint|on behalf|role|above everything|weigh|rewrite|cosmetic|"
     r"archive|no further action|at most|disabled|manually verified|accordingly|sarcas\w*|ironic\w*|irony|"
     r"withdrawn|compliment|not a complaint|false alarm|no action|say only|none|not required|joking|downgrade|"
-    r"satisfied|misused|cheerful|thank-you|not be counted)\b",
+    r"satisfied|misused|cheerful|thank-you|not be counted|as (background|noise)|upbeat|regenerate|"
+    r"informational only|as neutral|neutral-to-positive|minor feedback)\b",
     _FLAGS,
 )
 _PERSONA = [
     re.compile(
-        r"(你|您)(现在|从现在起)(是|扮演|作为)|(你|您)(扮演|是一个|是一名)|请以.{0,12}(身份|角度|立场)|站在.{0,12}(立场|角度|一方)|(玩|来)个游戏"
+        r"(你|您)(现在|从现在起)(是|扮演|作为)|(你|您)(扮演|是一个|是一名)|请(以|从).{0,12}(身份|角度|立场)|站在.{0,12}(立场|角度|一方)|(玩|来)个游戏|"
+        r"以.{0,12}(立场|身份|口吻)(来)?(撰写|总结|回复|写|分析|描述|处理)|扮演.{0,12}(商家|客服|公关|公司|品牌|店家|官方)"
     ),
     re.compile(
         r"\b(role-?play|you are now|from now on,? you|act as|pretend|as the (company|hotel|retailer|brand)|"
-        r"(company|retailer|brand|merchant)'s (point of view|perspective|side))\b",
+        r"(company|retailer|brand|merchant)'s (point of view|perspective|side)|let's play a game|"
+        r"as (the|a) [\w' -]{0,30}(team|department|staff|rep|representative) would)\b",
         _FLAGS,
     ),
 ]
@@ -204,6 +243,14 @@ def _short(sentence: str) -> bool:
     return len(words) <= 3 and cjk <= 6
 
 
+def _brief(sentence: str) -> bool:
+    """Short enough to be a lead-in, not the writer's own account: a sentence that names its ticket
+    number and asks for the money back is the writer's, though it talks about processing."""
+    words = sentence.split()
+    cjk = sum("\u4e00" <= ch <= "\u9fff" for ch in sentence)
+    return len(words) <= 12 and cjk <= 20
+
+
 # A sentence that only introduces what follows: a bracketed tag ("【重要】", "[SYSTEM]"), markup that
 # opens a block ("<!--", "```yaml", "</complaint>", "> **Note**"), or a line ending in a colon.
 _HEADER = re.compile(
@@ -213,8 +260,13 @@ _HEADER = re.compile(
 
 _CLOSER = re.compile(r"^\s*(?:</?[A-Za-z_][\w-]*>|```|-->|---)\s*$")
 # A line of a structured block ("  类别: 其他", "severity = S4") and a turn of a made-up dialogue.
-_FIELD = re.compile(r"^\s*[-\w\u4e00-\u9fff ]{1,24}\s*[:：=]\s*[^\s。！？!?]{0,24}\s*$")
-_TURN = re.compile(r"^\s*(user|assistant|system|ai|human|用户|助手|系统|客服)\s*[:：]", _FLAGS)
+_FIELD = re.compile(r"^\s*[-\w\u4e00-\u9fff ]{1,24}\s*[:：=]\s*[^\n。！？!?]{0,60}\s*$")
+_TURN = re.compile(
+    r"^\s*(user|assistant|system|ai|human|agent|customer|client|support|用户|助手|系统|客服|客户|顾客|买家|商家)\s*[:：]",
+    _FLAGS,
+)
+# A sentence that opens with a label of its own ("UPDATE: …", "**Update (resolved):** …", "更新：…").
+_LABEL = re.compile(r"^\s*[*_]{0,2}[\w\u4e00-\u9fff ()（）-]{1,24}[*_]{0,2}\s*[:：]\s*[*_]{0,2}\s*\S")
 
 
 def _about_processing(sentence: str) -> bool:
@@ -265,15 +317,24 @@ def _withheld(sentences: list[_Sentence], language: Language) -> list[bool]:
             if not (
                 _HEADER.match(before)
                 or _FIELD.match(before)
-                or (same_line and (_short(before) or _about_processing(before)))
+                or (_TURN.match(before) and _TURN.match(sentences[j + 1].text))  # the dialogue's turns
+                or (
+                    same_line
+                    and (
+                        _short(before)
+                        or (_brief(before) and _about_processing(before))
+                        or _LABEL.match(before)
+                    )
+                )
                 or (j == i - 1 and same_line and _POINTS_BACK.search(sentences[i].text))
             ):
                 break
             held[j] = True
             j -= 1
-        # Markup that closes the block on the lines after it ("</instructions>", "```").
+        # Markup that closes the block on the lines after it ("</instructions>", "```"), and the
+        # block's further turns and fields ("action: archive").
         j = next((k for k in range(i + 1, len(sentences)) if not held[k]), len(sentences))
-        while j < len(sentences) and (_CLOSER.match(sentences[j].text) or _TURN.match(sentences[j].text)):
+        while j < len(sentences) and any(p.match(sentences[j].text) for p in (_CLOSER, _TURN, _FIELD)):
             held[j] = True
             j += 1
     return held

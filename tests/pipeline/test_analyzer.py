@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -14,7 +15,7 @@ from opentelemetry import trace
 from engine import EngineError
 from pipeline.analyzer import AnalysisFailed, Analyzer, LabelPolicy, Scored, choose, decide
 from pipeline.codec import Document
-from pipeline.probe import PolarityProbe, ProbeError
+from pipeline.probe import PolarityProbe, ProbeError, parts
 from prompts import questions
 from prompts.render import CONTENT_FREE
 from schemas import (
@@ -63,6 +64,22 @@ def test_the_policy_sets_how_narrow_neutral_is_and_how_much_of_the_prior_is_divi
     half = decide(scored, LabelPolicy(neutral_at=0.9, polarity_calibration=0.5))
     assert half.polarity is Polarity.NEGATIVE  # 0.6/0.8**0.5 < 0.4/0.2**0.5
     assert decide(scored, LabelPolicy(neutral_at=1.0)).polarity is not Polarity.NEUTRAL
+
+
+def test_the_queue_s_probabilities_are_calibrated_and_its_choice_is_their_likeliest() -> None:
+    asked = {q.name: q for q in questions(BUILT_IN_KINDS[DocumentKind.COMPLAINT], Language.EN, "x")}
+    queues = asked["category"].values
+    logprobs = {name: [math.log(1 / len(q.values))] * len(q.values) for name, q in asked.items()}
+    logprobs["category"] = [math.log(0.3 if v == "billing" else 0.7 / (len(queues) - 1)) for v in queues]
+    prior = [0.5 if v == "billing" else 0.5 / (len(queues) - 1) for v in queues]  # billing is its habit
+    labels = decide(Scored(asked, logprobs, {"category": prior}), LabelPolicy())
+    shares = labels.category_shares
+    assert shares is not None and sum(shares.values()) == pytest.approx(1.0, abs=1e-4)
+    assert labels.category is not None and shares[labels.category.value] == max(shares.values())
+    assert labels.category.value != "billing" and shares["billing"] < 0.3  # divided out
+    filing = {q.name: q for q in questions(BUILT_IN_KINDS[DocumentKind.FILING], Language.EN, "x")}
+    plain = {name: [0.0] * len(q.values) for name, q in filing.items()}
+    assert decide(Scored(filing, plain, {}), LabelPolicy()).category_shares is None
 
 
 async def test_an_injected_complaint_is_flagged_floored_and_keeps_its_labels() -> None:
@@ -204,6 +221,24 @@ async def test_a_probe_decides_polarity_from_the_hidden_state_and_the_question_i
     )
     assert "polarity" in stored.logprobs and decide(stored, both).polarity is Polarity.POSITIVE
     assert decide(stored, LabelPolicy()).polarity is Polarity.NEGATIVE  # without the probe: the question's
+
+
+async def test_read_in_parts_one_appended_sentence_is_outweighed_by_the_rest() -> None:
+    engine = ScriptedEngine()
+    text = "The heater broke twice in a week. Nobody answered my calls. All good now, thanks."
+    whole = LabelPolicy(probe=reading_first(), polarity_questions=())
+    three = dataclasses.replace(whole, polarity_parts=3)
+    read = {}
+    for name, policy in (("whole", whole), ("parts", three)):
+        analyzer = Analyzer(engine, trace.NoOpTracer(), max_new_tokens=256, attempts=2, policy=policy)
+        before = engine.hidden_asked
+        read[name] = (await analyzer.scores(DocumentKind.COMPLAINT, Language.EN, text)).probe
+        read[name + " requests"] = engine.hidden_asked - before
+    assert read["whole"] == pytest.approx(2.0)  # the scripted state: any "good" reads positive
+    assert read["whole requests"] == 1 and read["parts requests"] == 3
+    pieces = parts(text, 3)  # the last part alone says "good": +2 against -2, -2, by length
+    expected = sum((2.0 if "good" in p else -2.0) * len(p) for p in pieces) / sum(len(p) for p in pieces)
+    assert read["parts"] == pytest.approx(expected) and read["parts"] < 0
 
 
 async def test_a_probe_the_model_cannot_serve_is_refused_before_any_document() -> None:
