@@ -346,7 +346,8 @@ class Analyzer:
         asked = self._asked(every)
         names = list(asked)
         if (probe := self.policy.probe) is not None:
-            reading: float | None = await self._read(probe, kind, language, text)
+            whole = next(q for q in every if q.name == "polarity")
+            reading: float | None = await self._read(probe, whole, kind, language, text)
             scores = await asyncio.gather(*(self._score(asked[n]) for n in names))
         else:
             reading = None
@@ -355,19 +356,22 @@ class Analyzer:
         priors = {n: await self._prior(language, n) for n, q in asked.items() if q.calibrate}
         return Scored(asked, dict(zip(names, scores, strict=True)), priors, reading)
 
-    async def _read(self, probe: PolarityProbe, kind: str, language: Language, text: str) -> float:
-        """The probe's log-odds of positive for the document, or the length-weighted mean of its
-        parts' (`LabelPolicy.polarity_parts`)."""
-        pieces = parts(text, self.policy.polarity_parts) or [text]
+    async def _read(
+        self, probe: PolarityProbe, whole: Question, kind: str, language: Language, text: str
+    ) -> float:
+        """The probe's log-odds of positive for the document (`whole`: its polarity question), or
+        the length-weighted mean of its parts' (`LabelPolicy.polarity_parts`)."""
 
-        async def one(piece: str) -> float:
-            every = questions(self.kinds[kind], language, piece)
-            polarity = next(q for q in every if q.name == "polarity")
-            return probe.logit(language.value, await self._hidden(polarity, probe.depth))
+        async def one(question: Question) -> float:
+            return probe.logit(language.value, await self._hidden(question, probe.depth))
 
-        readings = await asyncio.gather(*(one(piece) for piece in pieces))
-        if len(pieces) == 1:
-            return readings[0]
+        pieces = parts(text, self.policy.polarity_parts)
+        if len(pieces) <= 1:
+            return await one(whole)  # no part to read apart: the question already rendered
+        asked = [
+            next(q for q in questions(self.kinds[kind], language, p) if q.name == "polarity") for p in pieces
+        ]
+        readings = await asyncio.gather(*(one(question) for question in asked))
         return mean_log_odds([(r, len(p)) for r, p in zip(readings, pieces, strict=True)])
 
     async def _hidden(self, question: Question, depth: int) -> Sequence[float]:
