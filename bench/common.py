@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from engine import Engine
-    from pipeline.analyzer import LabelPolicy
+    from pipeline.labels import LabelPolicy
     from pipeline.settings import Settings
 
 
@@ -58,7 +58,7 @@ async def analysis_engine(arg: Path | None) -> Engine:
 
 def label_policy(arg: Path | None) -> LabelPolicy:
     """The service's label policy for the model `model_path(arg)` resolves (`--model`: the default)."""
-    from pipeline.analyzer import LabelPolicy
+    from pipeline.labels import LabelPolicy
     from pipeline.service import label_policy
     from pipeline.settings import load_settings
 

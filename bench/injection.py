@@ -3,10 +3,10 @@
     python -m bench.injection --out bench/results/injection-cpu-0.5b.json
 
 Bases: the negative complaints of the team's labelled set (`bench/data/team-complaints.jsonl`);
-instructions: `bench/data/injection-heldout-4.jsonl` by default (48 phrasings, zh and en, written
+instructions: `bench/data/injection-heldout-5.jsonl` by default (48 phrasings, zh and en, written
 by an agent shown neither the repository, the detector in `prompts/injection.py`, nor the sets it
-was revised on: `--phrasings dev`, `heldout`, `heldout2`, `heldout3`, each held out in its turn and
-read since). Each base gets three phrasings appended. Through the pipeline's own `Analyzer` (labels, safety floor, escalation rule), the
+was revised on: `--phrasings dev`, `heldout`, `heldout2`, `heldout3`, `heldout4`, each held out in
+its turn and read since). Each base gets three phrasings appended. Through the pipeline's own `Analyzer` (labels, safety floor, escalation rule), the
 injected document must match its clean one's polarity, urgency and escalation, and be flagged
 `suspected_injection`. Also measured: the same documents with screening off (what the model does
 when it reads the instruction), and how often clean text is flagged (false alarms) on the clean
@@ -28,8 +28,9 @@ from rich.table import Table
 
 from bench import common, real_data
 from bench.quality import TEAM, bounded, team_rows
-from pipeline.analyzer import Analyzer, Labels
+from pipeline.analyzer import Analyzer
 from pipeline.backends import EmbeddedBackend
+from pipeline.labels import Labels
 from pipeline.triage import triage_of
 from prompts import screen
 from schemas import Category, DocumentKind, Language, Urgency
@@ -43,12 +44,14 @@ DATA = Path(__file__).with_name("data")
 # the second set's misses (it is a development set since), and a third (`heldout3`, 48 phrasings) was
 # written the same way, blind to the repository and the other sets, before that revision was run on it.
 # It was then read (0.925) and the detector revised on it, and a fourth (`heldout4`) written the same
-# way measured the revision: report `heldout4`; the first three are development sets by now.
+# way measured the revision. A fifth (`heldout5`), written the same way on 2026-12-03 after the fourth
+# had been read, measures the service's default of polarity read in parts: report `heldout5`.
 PHRASINGS = {
     "heldout": DATA / "injection-heldout.jsonl",
     "heldout2": DATA / "injection-heldout-2.jsonl",
     "heldout3": DATA / "injection-heldout-3.jsonl",
     "heldout4": DATA / "injection-heldout-4.jsonl",
+    "heldout5": DATA / "injection-heldout-5.jsonl",
     "dev": DATA / "injection-phrasings.jsonl",
 }
 # The control: harmless lines (an order number, a date, a phone number) appended the same way. How
@@ -105,7 +108,9 @@ def outcome(labels: Labels, text: str, language: Language) -> dict[str, Any]:
 
 async def run(args: Any) -> dict[str, Any]:
     engine = await common.analysis_engine(args.model)
-    policy = dataclasses.replace(common.label_policy(args.model), polarity_parts=args.parts)
+    policy = common.label_policy(args.model)
+    if args.parts is not None:
+        policy = dataclasses.replace(policy, polarity_parts=args.parts)
     analyzer = Analyzer(
         EmbeddedBackend(engine), trace.NoOpTracer(), max_new_tokens=512, attempts=2, policy=policy
     )
@@ -189,7 +194,7 @@ async def run(args: Any) -> dict[str, Any]:
     return {
         "model": engine.model_id,
         "phrasings": args.phrasings,
-        "polarity_parts": args.parts,
+        "polarity_parts": policy.polarity_parts,
         "summary": summary,
         "false_alarms": false_alarms,
         "rows": rows,
@@ -200,13 +205,13 @@ async def run(args: Any) -> dict[str, Any]:
 def main() -> None:
     parser = common.parser(__doc__)
     parser.add_argument("--per-language", type=int, default=20, help="clean complaints per language")
-    parser.add_argument("--phrasings", choices=sorted(PHRASINGS), default="heldout4")
+    parser.add_argument("--phrasings", choices=sorted(PHRASINGS), default="heldout5")
     parser.add_argument("--unscreened", action="store_true", help="also run with screening off")
     parser.add_argument(
         "--control", action=argparse.BooleanOptionalAction, default=True, help="also append harmless lines"
     )
     parser.add_argument(
-        "--parts", type=int, default=1, help="the probe reads this many parts of each document (LabelPolicy)"
+        "--parts", type=int, help="the probe reads this many parts of each document (default: the service's)"
     )
     parser.add_argument("--out", type=Path, default=Path("bench/results/injection.json"))
     args = parser.parse_args()

@@ -34,9 +34,10 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import common, real_data
-from pipeline.analyzer import AnalysisFailed, Analyzer, LabelPolicy, Scored, decide, probabilities
+from pipeline.analyzer import AnalysisFailed, Analyzer
 from pipeline.backends import EmbeddedBackend
 from pipeline.codec import Document
+from pipeline.labels import LabelPolicy, Scored, decide, probabilities
 from pipeline.triage import triage_of
 from prompts import Question, hygiene, questions, screen
 from prompts.render import POLARITY_QUESTIONS, worked_examples
@@ -331,8 +332,15 @@ async def run(args: Any) -> dict[str, Any]:
     # Every side question is asked and stored (so that `--tune` and the comparison below can replay
     # them); the labels are decided by the service's default policy, which uses the ones it names.
     # The service's policy for this model; the content-free priors are measured and stored all the same.
-    policy = dataclasses.replace(common.label_policy(args.model), polarity_parts=args.parts)
-    asks_all = LabelPolicy(polarity_questions=POLARITY_QUESTIONS, urgency_from="model", probe=policy.probe)
+    policy = common.label_policy(args.model)
+    if args.parts is not None:
+        policy = dataclasses.replace(policy, polarity_parts=args.parts)
+    asks_all = LabelPolicy(
+        polarity_questions=POLARITY_QUESTIONS,
+        urgency_from="model",
+        probe=policy.probe,
+        polarity_parts=policy.polarity_parts,
+    )
     if args.ask == "policy":  # only what the service asks (and the model's urgency, stored): cheaper
         asks_all = dataclasses.replace(policy, urgency_from="model")
     analyzer = Analyzer(
@@ -516,7 +524,7 @@ def main() -> None:
     )
     parser.add_argument("--team", type=Path, default=TEAM, help="the team-labelled complaints (JSONL)")
     parser.add_argument(
-        "--parts", type=int, default=1, help="the probe reads this many parts of each document (LabelPolicy)"
+        "--parts", type=int, help="the probe reads this many parts of each document (default: the service's)"
     )
     parser.add_argument("--out", type=Path, default=Path("bench/results/quality.json"))
     parser.add_argument(

@@ -20,11 +20,12 @@ from rich.table import Table
 
 from bench import common
 from engine import Engine, EngineConfig
-from pipeline.analyzer import AnalysisFailed, Analyzer, LabelPolicy
+from pipeline.analyzer import AnalysisFailed, Analyzer
 from pipeline.backends import EmbeddedBackend
 from pipeline.client import load_documents
 from pipeline.codec import Document
 from pipeline.demo import sample_paths
+from pipeline.labels import LabelPolicy
 from prompts import detect_language
 from schemas import DocumentEvent, DocumentKind, SourceCoordinates
 

@@ -31,12 +31,13 @@ from aiokafka.errors import CommitFailedError, KafkaError
 from aiokafka.structs import ConsumerRecord, TopicPartition
 from opentelemetry import trace
 
-from pipeline.analyzer import AnalysisEngine, Analyzer, LabelPolicy
+from pipeline.analyzer import AnalysisEngine, Analyzer
 from pipeline.answering import Answerer, Counters
 from pipeline.bundled_models import MODELS
 from pipeline.delivery import Delivery
 from pipeline.fetch import Fetcher, Unreadable
 from pipeline.kafka import ensure_topics, make_answer_producer, make_consumer, wait_for_broker
+from pipeline.labels import LabelPolicy
 from pipeline.metrics import Metrics, Snapshot
 from pipeline.offsets import OffsetTracker
 from pipeline.probe import PolarityProbe
@@ -79,8 +80,8 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
 def label_policy(settings: Settings) -> LabelPolicy:
     """The default policy with the bundled model's measured polarity prior (none for MODEL_PATH or
     a server's model: the content-free prior is measured on it), its polarity probe (or
-    POLARITY_PROBE's) unless POLARITY_FROM=question, and URGENCY_FROM. A probe decides polarity
-    alone: the polarity question is then not asked."""
+    POLARITY_PROBE's, reading POLARITY_PARTS parts) unless POLARITY_FROM=question, and URGENCY_FROM.
+    A probe decides polarity alone: the polarity question is then not asked."""
     bundled = settings.model_path is None and settings.analyzer_backend == "embedded"
     prior = MODELS[settings.model].polarity_prior if bundled else {}
     path = settings.polarity_probe or (MODELS[settings.model].probe_path if bundled else None)
@@ -88,7 +89,11 @@ def label_policy(settings: Settings) -> LabelPolicy:
         return LabelPolicy(polarity_prior=prior, urgency_from=settings.urgency_from)
     probe = PolarityProbe.read(path)
     return LabelPolicy(
-        polarity_prior=prior, urgency_from=settings.urgency_from, probe=probe, polarity_questions=()
+        polarity_prior=prior,
+        urgency_from=settings.urgency_from,
+        probe=probe,
+        polarity_questions=(),
+        polarity_parts=settings.polarity_parts,
     )
 
 

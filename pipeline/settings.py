@@ -145,6 +145,13 @@ class Settings(BaseSettings, EngineOptions):
         default="probe",
         description="probe: read from the model's hidden state where the model has a probe; question: asked.",
     )
+    polarity_parts: int = Field(
+        default=3,
+        ge=1,
+        le=8,
+        description="The probe reads this many contiguous parts of a document, cut at sentence ends, and "
+        "decides by their length-weighted mean (one appended sentence is outweighed); 1: the whole.",
+    )
     polarity_probe: Path | None = Field(
         default=None,
         description="A probe file for MODEL_PATH (`python -m bench.probe`); bundled models have theirs.",

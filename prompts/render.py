@@ -45,7 +45,7 @@ POLARITY_WORDS = {
 _YES_NO = {Language.ZH: ("是", "否"), Language.EN: ("yes", "no")}
 _GOOD_BAD = {Language.ZH: ("好", "坏"), Language.EN: ("good", "bad")}
 # Every question that asks for the document's side, `polarity` first; the label policy combines
-# the ones it names (`pipeline.analyzer.LabelPolicy.polarity_questions`).
+# the ones it names (`pipeline.labels.LabelPolicy.polarity_questions`).
 POLARITY_QUESTIONS = ("polarity", "polarity_reversed", "outcome")
 _URGENCY_WORDS = {
     Language.ZH: {Urgency.LOW: "低", Urgency.MEDIUM: "中", Urgency.HIGH: "高", Urgency.CRITICAL: "危急"},

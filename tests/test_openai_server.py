@@ -20,13 +20,14 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from engine import Engine
-from pipeline.analyzer import Analyzer, probabilities
+from pipeline.analyzer import Analyzer
 from pipeline.app import resolve_model_path, serve
 from pipeline.backends import EmbeddedBackend
 from pipeline.bundled_models import DEFAULT_MODEL, bundled_gguf
 from pipeline.client import collect_answers, load_documents, publish_documents
 from pipeline.demo import sample_paths
 from pipeline.kafka import ensure_topics
+from pipeline.labels import probabilities
 from pipeline.openai_backend import OpenAIBackend
 from pipeline.service import Service
 from pipeline.settings import Settings

@@ -11,8 +11,8 @@ import pytest
 from bench.quality import document_priors, first_of_each, polarity_report, replay, tune
 from bench.quality import questions_by_language as asked_in
 from bench.real_data import Labelled
-from pipeline.analyzer import LabelPolicy
 from pipeline.bundled_models import DEFAULT_MODEL, MODELS
+from pipeline.labels import LabelPolicy
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 
