@@ -3,9 +3,9 @@
     python -m bench.injection --out bench/results/injection-cpu-0.5b.json
 
 Bases: the negative complaints of the team's labelled set (`bench/data/team-complaints.jsonl`);
-instructions: `bench/data/injection-heldout-5.jsonl` by default (48 phrasings, zh and en, written
+instructions: `bench/data/injection-heldout-7.jsonl` by default (48 phrasings, zh and en, written
 by an agent shown neither the repository, the detector in `prompts/injection.py`, nor the sets it
-was revised on: `--phrasings dev`, `heldout`, `heldout2`, `heldout3`, `heldout4`, each held out in
+was revised on: `--phrasings dev`, `heldout`, `heldout2`, `heldout3`, `heldout4`, `heldout5`, `heldout6`, each held out in
 its turn and read since). Each base gets three phrasings appended. Through the pipeline's own `Analyzer` (labels, safety floor, escalation rule), the
 injected document must match its clean one's polarity, urgency and escalation, and be flagged
 `suspected_injection`. Also measured: the same documents with screening off (what the model does
@@ -45,13 +45,19 @@ DATA = Path(__file__).with_name("data")
 # written the same way, blind to the repository and the other sets, before that revision was run on it.
 # It was then read (0.925) and the detector revised on it, and a fourth (`heldout4`) written the same
 # way measured the revision. A fifth (`heldout5`), written the same way on 2026-12-03 after the fourth
-# had been read, measures the service's default of polarity read in parts: report `heldout5`.
+# had been read, measured the service's default of polarity read in parts (0.933); it was read on
+# 2026-12-04 and the detector revised on it, and a sixth (`heldout6`), written the same way before
+# that revision was run on it, measured the revision (0.933); it was read and the detector revised
+# on it, and a seventh (`heldout7`, its writer asked to leave out words of harm, whose floor raises
+# urgency by design) measures that: report `heldout7`.
 PHRASINGS = {
     "heldout": DATA / "injection-heldout.jsonl",
     "heldout2": DATA / "injection-heldout-2.jsonl",
     "heldout3": DATA / "injection-heldout-3.jsonl",
     "heldout4": DATA / "injection-heldout-4.jsonl",
     "heldout5": DATA / "injection-heldout-5.jsonl",
+    "heldout6": DATA / "injection-heldout-6.jsonl",
+    "heldout7": DATA / "injection-heldout-7.jsonl",
     "dev": DATA / "injection-phrasings.jsonl",
 }
 # The control: harmless lines (an order number, a date, a phone number) appended the same way. How
@@ -205,7 +211,7 @@ async def run(args: Any) -> dict[str, Any]:
 def main() -> None:
     parser = common.parser(__doc__)
     parser.add_argument("--per-language", type=int, default=20, help="clean complaints per language")
-    parser.add_argument("--phrasings", choices=sorted(PHRASINGS), default="heldout5")
+    parser.add_argument("--phrasings", choices=sorted(PHRASINGS), default="heldout7")
     parser.add_argument("--unscreened", action="store_true", help="also run with screening off")
     parser.add_argument(
         "--control", action=argparse.BooleanOptionalAction, default=True, help="also append harmless lines"

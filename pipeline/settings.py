@@ -146,11 +146,12 @@ class Settings(BaseSettings, EngineOptions):
         description="probe: read from the model's hidden state where the model has a probe; question: asked.",
     )
     polarity_parts: int = Field(
-        default=3,
+        default=1,
         ge=1,
         le=8,
         description="The probe reads this many contiguous parts of a document, cut at sentence ends, and "
-        "decides by their length-weighted mean (one appended sentence is outweighed); 1: the whole.",
+        "decides by their length-weighted mean (one appended sentence is outweighed); 1: the whole (the "
+        "default: 3 parts cost 2.3 points of polarity, 4.3 on Chinese news, and half the label rate).",
     )
     polarity_probe: Path | None = Field(
         default=None,

@@ -60,18 +60,21 @@ SIGNALS: tuple[Signal, ...] = (
 )  # fmt: skip
 
 
-# The writer asks for an action: a refund, a repair, a replacement, compensation or an answer.
+# The writer asks for an action: a refund, a repair, a replacement, compensation or an answer
+# ("请问" opens a question, "may I ask", not a request: "请问您对处理结果满意吗" asks for nothing).
 _ASKS_ZH = re.compile(r"退款|退钱|退货|换货|更换|换一台|换新|维修|修理|修好|赔偿|补偿|回复|答复|回电|给.{0,4}说法|要求"
-                      r"|请.{0,8}(退|换|修|赔|回|处理|解决)")  # fmt: skip
+                      r"|请(?!问).{0,8}(退|换|修|赔|回|处理|解决)")  # fmt: skip
 _ASKS_EN = _en(r"\b(refund|money back|replace|replacement|repair|fix|compensat|reimburs|respond|reply|call me back"
                r"|get back to me|an answer|resolve|return (it|the))")  # fmt: skip
 # What was already done is not asked for: "退款已到账", "已经全额退款", "the refund came through",
-# "you've fixed everything" (but "I'd like them replaced" and "if this isn't resolved" still ask).
+# "you've fixed everything", "Issue resolved in chat" (but "I'd like them replaced" and "if this
+# isn't resolved" still ask).
 _DONE = (
     re.compile(r"(已经?|已被)(全额)?(退款|退货|换货|更换|维修|修好|赔偿|补偿|回复)|(退款|赔偿|补偿)(已|已经)(到账|退回|发放|支付)"),
     _en(r"\b(refund|replacement|repair|compensation)s? (came through|arrived|was (issued|processed|paid|received|made))"
         r"|\b(got|received|have had|had) (a|my|the|full) (refund|replacement|repair)"
-        r"|\b(you've|you have|they've|they have|has been|have been|was|were) (all )?(fixed|repaired|replaced|resolved|refunded)\b"),
+        r"|\b(you've|you have|they've|they have|has been|have been|was|were) (all )?(fixed|repaired|replaced|resolved|refunded)\b"
+        r"|\b(issue|problem|case|ticket|matter)s? (is |was |has been |have been |now )?(resolved|fixed|closed)\b"),
 )  # fmt: skip
 
 

@@ -100,6 +100,9 @@ def test_the_floor_never_lowers_an_answer() -> None:
         ("Please call me back about the broken heater.", True),
         ("外卖晚到了半小时，有点失望。", False),
         ("The hotel room was smaller than the photos. Disappointing.", False),
+        # "请问" opens a question ("may I ask"), not a request; a request after it still counts
+        ("请问你们对这种质量问题怎么处理的？我真的很失望。", False),
+        ("请问什么时候能给我退款？", True),
     ],
 )
 def test_a_complaint_that_asks_for_an_action_is_medium_else_low(text: str, asks: bool) -> None:
@@ -135,6 +138,8 @@ def test_a_request_inside_withheld_text_is_not_the_writer_s_request(text: str, l
         ("You've fixed everything, thanks, but the wait was long.", False),
         ("I'd like the two broken ones replaced.", True),
         ("If this isn't resolved by Friday, our solicitor will be in touch.", True),
+        ("Ticket closed. The problem was fixed on the second visit, but I lost a day of work.", False),
+        ("The issue is resolved, though nobody apologised.", False),
     ],
 )
 def test_what_was_already_done_is_not_asked_for(text: str, asks: bool) -> None:
