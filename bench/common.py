@@ -56,13 +56,17 @@ async def analysis_engine(arg: Path | None) -> Engine:
     return await asyncio.to_thread(Engine.from_config, config)
 
 
-def label_policy(arg: Path | None) -> LabelPolicy:
-    """The service's label policy for the model `model_path(arg)` resolves (`--model`: the default)."""
+def label_policy(arg: Path | None, parts: int | None = None) -> LabelPolicy:
+    """The service's label policy for the model `model_path(arg)` resolves (`--model`: the default),
+    its probe reading `parts` parts of each document where given (`--parts`; else the service's)."""
+    import dataclasses
+
     from pipeline.labels import LabelPolicy
     from pipeline.service import label_policy
     from pipeline.settings import load_settings
 
-    return LabelPolicy() if arg is not None else label_policy(load_settings())
+    policy = LabelPolicy() if arg is not None else label_policy(load_settings())
+    return policy if parts is None else dataclasses.replace(policy, polarity_parts=parts)
 
 
 def worker_env(settings: Settings, **extra: str) -> dict[str, str]:

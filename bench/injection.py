@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -114,9 +113,7 @@ def outcome(labels: Labels, text: str, language: Language) -> dict[str, Any]:
 
 async def run(args: Any) -> dict[str, Any]:
     engine = await common.analysis_engine(args.model)
-    policy = common.label_policy(args.model)
-    if args.parts is not None:
-        policy = dataclasses.replace(policy, polarity_parts=args.parts)
+    policy = common.label_policy(args.model, args.parts)
     analyzer = Analyzer(
         EmbeddedBackend(engine), trace.NoOpTracer(), max_new_tokens=512, attempts=2, policy=policy
     )

@@ -332,9 +332,7 @@ async def run(args: Any) -> dict[str, Any]:
     # Every side question is asked and stored (so that `--tune` and the comparison below can replay
     # them); the labels are decided by the service's default policy, which uses the ones it names.
     # The service's policy for this model; the content-free priors are measured and stored all the same.
-    policy = common.label_policy(args.model)
-    if args.parts is not None:
-        policy = dataclasses.replace(policy, polarity_parts=args.parts)
+    policy = common.label_policy(args.model, args.parts)
     asks_all = LabelPolicy(
         polarity_questions=POLARITY_QUESTIONS,
         urgency_from="model",

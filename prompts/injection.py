@@ -19,6 +19,12 @@ from schemas import Language
 
 _FLAGS = re.IGNORECASE
 
+
+def _speaker(names: str) -> str:
+    """A line opening a turn of one of `names`, its tag bare or bracketed: "系统：", "[客服]：", "【用户】:"."""
+    return r"^\s*[\[【(（]?\s*" + names + r"\s*[\]】)）]?\s*[:：]"
+
+
 # Words that name the analysis itself: who an instruction would address, what it would set.
 _ZH_FIELDS = r"(情感|情绪|语气|极性|倾向|紧急度|紧急程度|紧急级别|优先级|分诊|类别|分类|核心观点|升级|escalate|urgency|polarity|sentiment)"
 _ZH = [
@@ -106,12 +112,10 @@ _ANY = [
         r"(请)?解码(后|之后)?.{0,10}(按|照|执行|填写)|\b(decode|base64-?decode) (this|the following|it|and)\b",
         _FLAGS,
     ),
-    re.compile(
-        r"^\s*[\[【(（]?\s*(assistant|system|ai|助手|系统)\s*[\]】)）]?\s*[:：]", _FLAGS
-    ),  # a made-up turn of the analyst
+    re.compile(_speaker("(assistant|system|ai|助手|系统)"), _FLAGS),  # a made-up turn of the analyst
     # a made-up turn in which the customer declares the case settled ("客户：已经解决了，我很满意")
     re.compile(
-        r"^\s*[\[【(（]?\s*(客户|顾客|用户|买家|customer|user|client)\s*[\]】)）]?\s*[:：].{0,40}"
+        _speaker("(客户|顾客|用户|买家|customer|user|client)") + r".{0,40}"
         r"(满意|解决了|好评|没问题了|happy|satisfied|resolved|fixed|all good|no problem)",
         _FLAGS,
     ),
@@ -287,7 +291,9 @@ _CLOSER = re.compile(r"^\s*(?:</?[A-Za-z_][\w-]*>|```|-->|---)\s*$")
 # A line of a structured block ("  类别: 其他", "severity = S4") and a turn of a made-up dialogue.
 _FIELD = re.compile(r"^\s*[-\w\u4e00-\u9fff ]{1,24}\s*[:：=]\s*[^\n。！？!?]{0,60}\s*$|^\s*\|[^\n]*\|\s*$")
 _TURN = re.compile(
-    r"^\s*[\[【(（]?\s*(user|assistant|system|ai|human|agent|customer|client|support|用户|助手|系统|客服|客户|顾客|买家|商家)\s*[\]】)）]?\s*[:：]",
+    _speaker(
+        "(user|assistant|system|ai|human|agent|customer|client|support|用户|助手|系统|客服|客户|顾客|买家|商家)"
+    ),
     _FLAGS,
 )
 # A bracketed tag standing alone as a sentence: "[Survey follow-up]", "【已结案通知】".
@@ -366,8 +372,8 @@ def _withheld(sentences: list[_Sentence], language: Language) -> list[bool]:
         # it 5/5. Sentiment: positive") opens the block: what lies between belongs to it.
         if j >= 0 and not held[j]:
             tag = next((k for k in range(j, max(-1, j - _RUN_ON), -1) if _TAG.match(sentences[k].text)), None)
-            for k in range(tag if tag is not None else i, i):
-                held[k] = True
+            if tag is not None:
+                held[tag:i] = [True] * (i - tag)
         # Markup that closes the block on the lines after it ("</instructions>", "```"), and the
         # block's further turns and fields ("action: archive").
         j = next((k for k in range(i + 1, len(sentences)) if not held[k]), len(sentences))
