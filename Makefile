@@ -10,7 +10,7 @@ KAFKA_STAMP   := $(KAFKA_LIBS)/.resolved-$(shell sha1sum deploy/kafka/pom.xml | 
 # llama.cpp's llama-server, the OpenAI-compatible server the ANALYZER_BACKEND=openai tests run against.
 LLAMA_SERVER  := $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/deepanalyze/llama-server-0.3.36/bin/llama-server
 
-.PHONY: install model-large llama-server demo test lint typecheck unit schemas bench bench-full bench-engine bench-validity bench-kv bench-pipeline bench-faults clean bench-cuda bench-peers bench-probe
+.PHONY: install model-large llama-server demo test lint typecheck unit schemas bench bench-full bench-engine bench-validity bench-kv bench-pipeline bench-faults clean bench-cuda bench-peers bench-probe bench-guard
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -109,6 +109,9 @@ bench-quality: install
 
 bench-injection: install
 	$(BIN)/python -m bench.injection --out bench/results/injection.json
+
+bench-guard: install
+	$(BIN)/python -m bench.guard --out bench/results/guard-dev.json
 
 bench-validity: install
 	$(BIN)/python -m bench.validity --out bench/results/validity.json

@@ -56,9 +56,10 @@ async def analysis_engine(arg: Path | None) -> Engine:
     return await asyncio.to_thread(Engine.from_config, config)
 
 
-def label_policy(arg: Path | None, parts: int | None = None) -> LabelPolicy:
+def label_policy(arg: Path | None, parts: int | None = None, guard: int | None = None) -> LabelPolicy:
     """The service's label policy for the model `model_path(arg)` resolves (`--model`: the default),
-    its probe reading `parts` parts of each document where given (`--parts`; else the service's)."""
+    its probe reading `parts` parts of each document and checking a complaint's positive reading in
+    `guard` parts where given (`--parts`, `--guard`; else the service's)."""
     import dataclasses
 
     from pipeline.labels import LabelPolicy
@@ -66,7 +67,9 @@ def label_policy(arg: Path | None, parts: int | None = None) -> LabelPolicy:
     from pipeline.settings import load_settings
 
     policy = LabelPolicy() if arg is not None else label_policy(load_settings())
-    return policy if parts is None else dataclasses.replace(policy, polarity_parts=parts)
+    if parts is not None:
+        policy = dataclasses.replace(policy, polarity_parts=parts)
+    return policy if guard is None else dataclasses.replace(policy, guard_parts=guard)
 
 
 def worker_env(settings: Settings, **extra: str) -> dict[str, str]:

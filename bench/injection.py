@@ -3,10 +3,10 @@
     python -m bench.injection --out bench/results/injection-cpu-0.5b.json
 
 Bases: the negative complaints of the team's labelled set (`bench/data/team-complaints.jsonl`);
-instructions: `bench/data/injection-heldout-7.jsonl` by default (48 phrasings, zh and en, written
+instructions: `bench/data/injection-heldout-9.jsonl` by default (48 phrasings, zh and en, written
 by an agent shown neither the repository, the detector in `prompts/injection.py`, nor the sets it
-was revised on: `--phrasings dev`, `heldout`, `heldout2`, `heldout3`, `heldout4`, `heldout5`, `heldout6`, each held out in
-its turn and read since). Each base gets three phrasings appended. Through the pipeline's own `Analyzer` (labels, safety floor, escalation rule), the
+was revised on: `--phrasings dev`, `heldout`, `heldout2` … `heldout8`, each held out in its turn and
+read since). Each base gets three phrasings appended. Through the pipeline's own `Analyzer` (labels, safety floor, escalation rule), the
 injected document must match its clean one's polarity, urgency and escalation, and be flagged
 `suspected_injection`. Also measured: the same documents with screening off (what the model does
 when it reads the instruction), and how often clean text is flagged (false alarms) on the clean
@@ -48,7 +48,11 @@ DATA = Path(__file__).with_name("data")
 # 2026-12-04 and the detector revised on it, and a sixth (`heldout6`), written the same way before
 # that revision was run on it, measured the revision (0.933); it was read and the detector revised
 # on it, and a seventh (`heldout7`, its writer asked to leave out words of harm, whose floor raises
-# urgency by design) measures that: report `heldout7`.
+# urgency by design) measured that (0.933). An eighth (`heldout8`, written the same way after the
+# seventh was read) measured a complaint's positive reading checked in parts and the request rule
+# revised on the seventh, blind (0.983); it was read and the rules revised on it, and a ninth
+# (`heldout9`, written the same way before that revision was run) measured that, blind (0.992):
+# report `heldout9`.
 PHRASINGS = {
     "heldout": DATA / "injection-heldout.jsonl",
     "heldout2": DATA / "injection-heldout-2.jsonl",
@@ -57,6 +61,8 @@ PHRASINGS = {
     "heldout5": DATA / "injection-heldout-5.jsonl",
     "heldout6": DATA / "injection-heldout-6.jsonl",
     "heldout7": DATA / "injection-heldout-7.jsonl",
+    "heldout8": DATA / "injection-heldout-8.jsonl",
+    "heldout9": DATA / "injection-heldout-9.jsonl",
     "dev": DATA / "injection-phrasings.jsonl",
 }
 # The control: harmless lines (an order number, a date, a phone number) appended the same way. How
@@ -113,7 +119,7 @@ def outcome(labels: Labels, text: str, language: Language) -> dict[str, Any]:
 
 async def run(args: Any) -> dict[str, Any]:
     engine = await common.analysis_engine(args.model)
-    policy = common.label_policy(args.model, args.parts)
+    policy = common.label_policy(args.model, args.parts, args.guard)
     analyzer = Analyzer(
         EmbeddedBackend(engine), trace.NoOpTracer(), max_new_tokens=512, attempts=2, policy=policy
     )
@@ -198,6 +204,7 @@ async def run(args: Any) -> dict[str, Any]:
         "model": engine.model_id,
         "phrasings": args.phrasings,
         "polarity_parts": policy.polarity_parts,
+        "guard_parts": policy.guard_parts,
         "summary": summary,
         "false_alarms": false_alarms,
         "rows": rows,
@@ -208,13 +215,18 @@ async def run(args: Any) -> dict[str, Any]:
 def main() -> None:
     parser = common.parser(__doc__)
     parser.add_argument("--per-language", type=int, default=20, help="clean complaints per language")
-    parser.add_argument("--phrasings", choices=sorted(PHRASINGS), default="heldout7")
+    parser.add_argument("--phrasings", choices=sorted(PHRASINGS), default="heldout9")
     parser.add_argument("--unscreened", action="store_true", help="also run with screening off")
     parser.add_argument(
         "--control", action=argparse.BooleanOptionalAction, default=True, help="also append harmless lines"
     )
     parser.add_argument(
         "--parts", type=int, help="the probe reads this many parts of each document (default: the service's)"
+    )
+    parser.add_argument(
+        "--guard",
+        type=int,
+        help="a complaint read positive is checked in this many parts (1: no check; default: the service's)",
     )
     parser.add_argument("--out", type=Path, default=Path("bench/results/injection.json"))
     args = parser.parse_args()

@@ -206,6 +206,22 @@ async def labels_on(analyzer: Analyzer, docs: list[Document]) -> list[Scored]:
     return await bounded([job(d) for d in docs], 32)
 
 
+async def as_complaints(
+    analyzer: Analyzer, docs: list[Document], rows: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """`rows` with `probe_as_complaint`: each document's reading as a complaint (only where its own
+    reading is positive can the check in parts change it)."""
+
+    def job(d: Document) -> Callable[[], Awaitable[float]]:
+        return lambda: analyzer.reading(
+            DocumentKind.COMPLAINT, d.language, screen(d.text, d.language).labelled
+        )
+
+    positive = [i for i, r in enumerate(rows) if r["probe"] is not None and r["probe"] > 0]
+    readings = dict(zip(positive, await bounded([job(docs[i]) for i in positive], 32), strict=True))
+    return [{**r, "probe_as_complaint": readings.get(i, r["probe"])} for i, r in enumerate(rows)]
+
+
 def document_priors(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """Per language, the polarity question's option probabilities (among its options) averaged over
     stored rows, by value: batch calibration's prior (Zhou et al. 2023) from a development split's
@@ -338,6 +354,7 @@ async def run(args: Any) -> dict[str, Any]:
         urgency_from="model",
         probe=policy.probe,
         polarity_parts=policy.polarity_parts,
+        guard_parts=policy.guard_parts,
     )
     if args.ask == "policy":  # only what the service asks (and the model's urgency, stored): cheaper
         asks_all = dataclasses.replace(policy, urgency_from="model")
@@ -386,6 +403,14 @@ async def run(args: Any) -> dict[str, Any]:
                 for lang in ("all", *args.languages)
             }
         results["polarity"] = polarity_reports(rows, args.languages)
+        if policy.probe is not None and policy.guard_parts > 1:
+            # The same documents read as complaints: a positive reading checked in parts
+            # (`LabelPolicy.guard_parts`); what the check costs real text that no one steered.
+            rows = await as_complaints(analyzer, docs, rows)
+            checked = [{**r, "probe": r["probe_as_complaint"]} for r in rows]
+            results["as_complaints"] = {"guard_parts": policy.guard_parts,
+                                        **polarity_reports(replay(checked, asked, results["priors"], policy),
+                                                           args.languages)}  # fmt: skip
 
         every = team_rows(args.team)
         team = [
@@ -449,7 +474,12 @@ def show_polarity(results: dict[str, Any], console: Console) -> None:
         "expectation",
         title=f"Polarity — {results['model']}",
     )
-    for name, rep in results["polarity"].items():
+    checked = results.get("as_complaints") or {}
+    named = list(results["polarity"].items())
+    named += [
+        (f"{name}, read as complaints", rep) for name, rep in checked.items() if name in ("all", "zh", "en")
+    ]
+    for name, rep in named:
         table.add_row(name, str(rep["n"]), f"{rep['accuracy']:.3f}", f"{rep['macro_f1']:.3f}", f"{rep['neutral_rate']:.2f}",
                       f"{rep['doubt_rate']:.2f}", f"{rep['expectation_rate']:.2f}")  # fmt: skip
     console.print(table)

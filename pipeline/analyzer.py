@@ -30,7 +30,7 @@ from opentelemetry import trace
 from engine import EngineError, EngineOptions, EngineStats, GenerationResult, SamplingParams
 from pipeline.codec import Document
 from pipeline.labels import LabelPolicy, Labels, Scored, decide
-from pipeline.probe import PolarityProbe, ProbeError, mean_log_odds, parts
+from pipeline.probe import PolarityProbe, ProbeError, guarded, mean_log_odds, parts
 from pipeline.progress import PartialNarrative, Progress
 from pipeline.telemetry import record_generation
 from pipeline.triage import triage_of
@@ -214,23 +214,41 @@ class Analyzer:
         priors = {n: await self._prior(language, n) for n, q in asked.items() if q.calibrate}
         return Scored(asked, dict(zip(names, scores, strict=True)), priors, reading)
 
+    async def reading(self, kind: str, language: Language, text: str) -> float:
+        """The probe's reading of a (screened) document read as `kind` (a triaged kind's checked in
+        parts), without the other questions: what `bench.quality` reports for real documents
+        read as complaints."""
+        if (probe := self.policy.probe) is None:
+            raise ValueError("the label policy has no probe to read with")
+        whole = next(q for q in questions(self.kinds[kind], language, text) if q.name == "polarity")
+        return await self._read(probe, whole, kind, language, text)
+
     async def _read(
         self, probe: PolarityProbe, whole: Question, kind: str, language: Language, text: str
     ) -> float:
         """The probe's log-odds of positive for the document (`whole`: its polarity question), or
-        the length-weighted mean of its parts' (`LabelPolicy.polarity_parts`)."""
+        the length-weighted mean of its parts' (`LabelPolicy.polarity_parts`); for a triaged kind,
+        a positive reading checked against its parts read apart (`LabelPolicy.guard_parts`)."""
 
         async def one(question: Question) -> float:
             return probe.logit(language.value, await self._hidden(question, probe.depth))
 
+        async def apart(pieces: Sequence[str]) -> list[float]:
+            asked = [
+                next(q for q in questions(self.kinds[kind], language, p) if q.name == "polarity")
+                for p in pieces
+            ]
+            return list(await asyncio.gather(*(one(question) for question in asked)))
+
         pieces = parts(text, self.policy.polarity_parts)
         if len(pieces) <= 1:
-            return await one(whole)  # no part to read apart: the question already rendered
-        asked = [
-            next(q for q in questions(self.kinds[kind], language, p) if q.name == "polarity") for p in pieces
-        ]
-        readings = await asyncio.gather(*(one(question) for question in asked))
-        return mean_log_odds([(r, len(p)) for r, p in zip(readings, pieces, strict=True)])
+            reading = await one(whole)  # no part to read apart: the question already rendered
+        else:
+            reading = mean_log_odds([(r, len(p)) for r, p in zip(await apart(pieces), pieces, strict=True)])
+        if not self.kinds[kind].triage or reading <= 0:
+            return reading
+        checked = parts(text, self.policy.guard_parts)
+        return guarded(reading, await apart(checked) if len(checked) > 1 else [], self.policy.guard_below)
 
     async def _hidden(self, question: Question, depth: int) -> Sequence[float]:
         try:

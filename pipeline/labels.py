@@ -67,6 +67,14 @@ class LabelPolicy:
     # With a probe: how many contiguous parts of the document it reads (at sentence ends), the
     # decision being their length-weighted mean log-odds (`pipeline.probe.parts`); 1: the whole.
     polarity_parts: int = 1
+    # With a probe, for a triaged kind (complaints): a positive reading is checked against this many
+    # contiguous parts read apart, and a part that reads clearly negative (log-odds under
+    # `guard_below`) decides (`pipeline.probe.guarded`); 1: no check. A complaint is called positive
+    # only where no part of it reads clearly negative. Both chosen on the development split and the
+    # development injection sets (README "Injection"): 3 parts and -7 kept 15 of 16 steered
+    # complaints negative and turned 2 of 262 positive or negative documents read as complaints.
+    guard_parts: int = 3
+    guard_below: float = -7.0
 
     def fixed_prior(self, language: str, question: Question) -> list[float] | None:
         """`question`'s prior in option order when the policy fixes it for `language`, else None."""

@@ -109,3 +109,12 @@ def mean_log_odds(readings: Sequence[tuple[float, int]], bound: float = 10.0) ->
     that one part read with extreme certainty cannot outvote the rest."""
     total = sum(length for _, length in readings)
     return sum(max(-bound, min(bound, odds)) * length for odds, length in readings) / total
+
+
+def guarded(whole: float, readings: Sequence[float], below: float) -> float:
+    """A complaint's reading checked against its parts' `readings`: where the whole reads positive
+    and a part reads clearly negative (log-odds under `below`), that part's reading (the lowest);
+    else the whole's. Text appended to steer a complaint positive carries the whole only while
+    nothing else is read apart from it."""
+    low = min(readings, default=whole)
+    return low if whole > 0 and low < below else whole

@@ -80,8 +80,9 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
 def label_policy(settings: Settings) -> LabelPolicy:
     """The default policy with the bundled model's measured polarity prior (none for MODEL_PATH or
     a server's model: the content-free prior is measured on it), its polarity probe (or
-    POLARITY_PROBE's, reading POLARITY_PARTS parts) unless POLARITY_FROM=question, and URGENCY_FROM.
-    A probe decides polarity alone: the polarity question is then not asked."""
+    POLARITY_PROBE's, reading POLARITY_PARTS parts, a complaint's positive reading checked in
+    POLARITY_GUARD_PARTS) unless POLARITY_FROM=question, and URGENCY_FROM. A probe decides polarity
+    alone: the polarity question is then not asked."""
     bundled = settings.model_path is None and settings.analyzer_backend == "embedded"
     prior = MODELS[settings.model].polarity_prior if bundled else {}
     path = settings.polarity_probe or (MODELS[settings.model].probe_path if bundled else None)
@@ -94,6 +95,7 @@ def label_policy(settings: Settings) -> LabelPolicy:
         probe=probe,
         polarity_questions=(),
         polarity_parts=settings.polarity_parts,
+        guard_parts=settings.polarity_guard_parts,
     )
 
 

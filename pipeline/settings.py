@@ -153,6 +153,14 @@ class Settings(BaseSettings, EngineOptions):
         "decides by their length-weighted mean (one appended sentence is outweighed); 1: the whole (the "
         "default: 3 parts cost 2.3 points of polarity, 4.3 on Chinese news, and half the label rate).",
     )
+    polarity_guard_parts: int = Field(
+        default=3,
+        ge=1,
+        le=8,
+        description="With a probe, a complaint read positive is also read in this many parts apart, and is "
+        "negative where a part reads clearly negative (text appended to steer it positive is read on its "
+        "own); 1: no check.",
+    )
     polarity_probe: Path | None = Field(
         default=None,
         description="A probe file for MODEL_PATH (`python -m bench.probe`); bundled models have theirs.",

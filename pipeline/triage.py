@@ -61,21 +61,40 @@ SIGNALS: tuple[Signal, ...] = (
 
 
 # The writer asks for an action: a refund, a repair, a replacement, compensation or an answer
-# ("请问" opens a question, "may I ask", not a request: "请问您对处理结果满意吗" asks for nothing).
+# ("请问" opens a question, "may I ask", not a request: "请问您对处理结果满意吗" asks for nothing;
+# "麻烦…换回来" asks as "请" does).
 _ASKS_ZH = re.compile(r"退款|退钱|退货|换货|更换|换一台|换新|维修|修理|修好|赔偿|补偿|回复|答复|回电|给.{0,4}说法|要求"
-                      r"|请(?!问).{0,8}(退|换|修|赔|回|处理|解决)")  # fmt: skip
+                      r"|(请(?!问)|麻烦|尽快).{0,8}(退|换|修|赔|回复|回电|回应|处理|解决)")  # fmt: skip
 _ASKS_EN = _en(r"\b(refund|money back|replace|replacement|repair|fix|compensat|reimburs|respond|reply|call me back"
                r"|get back to me|an answer|resolve|return (it|the))")  # fmt: skip
 # What was already done is not asked for: "退款已到账", "已经全额退款", "the refund came through",
 # "you've fixed everything", "Issue resolved in chat" (but "I'd like them replaced" and "if this
 # isn't resolved" still ask).
 _DONE = (
-    re.compile(r"(已经?|已被)(全额)?(退款|退货|换货|更换|维修|修好|赔偿|补偿|回复)|(退款|赔偿|补偿)(已|已经)(到账|退回|发放|支付)"),
+    re.compile(r"(已经?|已被)(全额)?(退款|退货|换货|更换|维修|修好|赔偿|补偿|回复)|(退款|赔偿|补偿)(已|已经)(到账|退回|发放|支付)"
+               r"|已[^，。！？,.!?\n]{0,16}(补偿|赔偿|退款|退货|换货|维修)(到位|完成|完毕|到账)"),
     _en(r"\b(refund|replacement|repair|compensation)s? (came through|arrived|was (issued|processed|paid|received|made))"
         r"|\b(got|received|have had|had) (a|my|the|full) (refund|replacement|repair)"
-        r"|\b(you've|you have|they've|they have|has been|have been|was|were) (all )?(fixed|repaired|replaced|resolved|refunded)\b"
+        r"|\b(I've|I have|we've|we have|you've|you have|they've|they have|has been|have been|was|were) "
+        r"(\w+ly )?(all )?(fixed|repaired|replaced|resolved|refunded)\b"
         r"|\b(issue|problem|case|ticket|matter)s? (is |was |has been |have been |now )?(resolved|fixed|closed)\b"),
 )  # fmt: skip
+
+
+# A turn of the business's side in a quoted exchange, opening a line or following a sentence's end
+# ("客服：已为您退款", "… Agent (Mia): I've refunded you in full", "[Support]: we can replace it"): what
+# the other side did or offers is not the writer asking for it.
+_THEIR_TURN = re.compile(
+    r"(?:^|(?<=[.!?。！？]))\s*[\[【(（]?\s*"
+    r"(客服|商家|卖家|店家|店铺|工作人员|售后|agent|support|representative|rep|staff|seller|merchant)"
+    r"(\s*[(（][^)）\n]{0,24}[)）])?\s*[\]】)）]?\s*[:：][^\n]*",
+    re.IGNORECASE | re.MULTILINE,
+)
+
+
+def writers_words(text: str) -> str:
+    """The text less the turns of the business's side in a quoted exchange (`_THEIR_TURN`)."""
+    return _THEIR_TURN.sub(" ", text)
 
 
 def asks_for_action(text: str) -> bool:
@@ -147,9 +166,10 @@ def triage_of(
 ) -> Triage:
     """A complaint's triage: the queue its writer's words name (`queue_of`; the model's choice where
     they name none); urgency from the model when it answered (URGENCY_FROM=model), else by the rule
-    (medium when the writer's own words ask for an action, else low); then the safety floor over the
+    (medium when the writer's own words ask for an action, else low: the document less
+    its instruction-like sentences and the business's turns in a quoted exchange); then the safety floor over the
     whole text, and escalation."""
-    own_words = screen(text, language).labelled
+    own_words = writers_words(screen(text, language).labelled)
     urgency = model_urgency or (Urgency.MEDIUM if asks_for_action(own_words) else Urgency.LOW)
     queue = queue_of(own_words, category, category_shares)
     draft = Triage(urgency=urgency, category=queue, escalate=False)

@@ -259,6 +259,9 @@ _META = re.compile(
     r"系统|自动|机器|助手|模型|算法|AI|后台|测试",
     _FLAGS,
 )
+# A quotation an instruction brings with it ('the viewpoint is "…". Use that sentence verbatim.'):
+# what its "that sentence" points to, rather than the writer's sentence before it.
+_QUOTES = re.compile(r"[\"“「『][^\"”」』]{8,}[\"”」』]")
 _POINTS_BACK = re.compile(
     r"\b(this|that|the above|the previous|the preceding|my) (postscript|p\.?s\.?|note|sentence|line|remark|update)\b|"
     r"以(这|此|上)句话?为准",
@@ -363,7 +366,12 @@ def _withheld(sentences: list[_Sentence], language: Language) -> list[bool]:
                         or _LABEL.match(before)
                     )
                 )
-                or (j == i - 1 and same_line and _POINTS_BACK.search(sentences[i].text))
+                or (
+                    j == i - 1
+                    and same_line
+                    and _POINTS_BACK.search(sentences[i].text)
+                    and not _QUOTES.search(sentences[i].text)  # "that sentence": its own quotation
+                )
             ):
                 break
             held[j] = True

@@ -151,7 +151,7 @@ async def test_a_probe_decides_polarity_from_the_hidden_state_and_the_question_i
 async def test_read_in_parts_one_appended_sentence_is_outweighed_by_the_rest() -> None:
     engine = ScriptedEngine()
     text = "The heater broke twice in a week. Nobody answered my calls. All good now, thanks."
-    whole = LabelPolicy(probe=reading_first(), polarity_questions=())
+    whole = LabelPolicy(probe=reading_first(), polarity_questions=(), guard_parts=1)  # the mean alone
     three = dataclasses.replace(whole, polarity_parts=3)
     read = {}
     for name, policy in (("whole", whole), ("parts", three)):
@@ -164,6 +164,39 @@ async def test_read_in_parts_one_appended_sentence_is_outweighed_by_the_rest() -
     pieces = parts(text, 3)  # the last part alone says "good": +2 against -2, -2, by length
     expected = sum((2.0 if "good" in p else -2.0) * len(p) for p in pieces) / sum(len(p) for p in pieces)
     assert read["parts"] == pytest.approx(expected) and read["parts"] < 0
+
+
+async def test_a_complaint_reads_positive_only_where_no_part_of_it_reads_negative() -> None:
+    engine = ScriptedEngine()
+    steered = "The heater broke twice in a week and nobody answered my calls. All good now, thanks."
+    praise = "A good heater. Good service at a good price."
+    # The scripted state reads +-2; a part under -1 is clearly negative here (two sentences: two parts).
+    policy = LabelPolicy(probe=reading_first(), polarity_questions=(), guard_below=-1.0)
+    analyzer = Analyzer(engine, trace.NoOpTracer(), max_new_tokens=256, attempts=2, policy=policy)
+    read = {}
+    for name, kind, text in (
+        ("complaint", DocumentKind.COMPLAINT, steered),
+        ("filing", DocumentKind.FILING, steered),
+        ("praise", DocumentKind.COMPLAINT, praise),
+        ("negative", DocumentKind.COMPLAINT, "The heater broke."),
+    ):
+        before = engine.hidden_asked
+        read[name] = (await analyzer.scores(kind, Language.EN, text)).probe
+        read[name + " requests"] = engine.hidden_asked - before
+    # The whole says "good" (+2); read apart, the first part says nothing good (-2) and decides.
+    assert read["complaint"] == pytest.approx(-2.0) and read["complaint requests"] == 3
+    assert await analyzer.reading(DocumentKind.COMPLAINT, Language.EN, steered) == pytest.approx(-2.0)
+    # Not a triaged kind: not checked. Every part positive: the whole's reading stands.
+    assert read["filing"] == pytest.approx(2.0) and read["filing requests"] == 1
+    assert read["praise"] == pytest.approx(2.0) and read["praise requests"] == 3
+    # Read negative already: nothing more is read.
+    assert read["negative"] == pytest.approx(-2.0) and read["negative requests"] == 1
+    for unchecked in (
+        dataclasses.replace(policy, guard_parts=1),
+        dataclasses.replace(policy, guard_below=-3.0),
+    ):
+        plain = Analyzer(engine, trace.NoOpTracer(), max_new_tokens=256, attempts=2, policy=unchecked)
+        assert (await plain.scores(DocumentKind.COMPLAINT, Language.EN, steered)).probe == pytest.approx(2.0)
 
 
 async def test_a_probe_the_model_cannot_serve_is_refused_before_any_document() -> None:

@@ -418,6 +418,8 @@ def test_the_label_policy_reads_polarity_with_the_bundled_probe_unless_told_othe
     assert label_policy(default).polarity_questions == ()  # the question is then not asked
     parts = Settings(**{**default.model_dump(), "polarity_parts": 3})
     assert (label_policy(default).polarity_parts, label_policy(parts).polarity_parts) == (1, 3)
+    off = Settings(**{**default.model_dump(), "polarity_guard_parts": 1})
+    assert (label_policy(default).guard_parts, label_policy(off).guard_parts) == (3, 1)
     asked = Settings(**{**default.model_dump(), "polarity_from": "question"})
     assert label_policy(asked).probe is None and label_policy(asked).polarity_questions == ("polarity",)
     elsewhere = Settings(**{**default.model_dump(), "model_path": tmp_path})

@@ -103,6 +103,7 @@ def test_the_floor_never_lowers_an_answer() -> None:
         # "请问" opens a question ("may I ask"), not a request; a request after it still counts
         ("请问你们对这种质量问题怎么处理的？我真的很失望。", False),
         ("请问什么时候能给我退款？", True),
+        ("收到的尺码不对，麻烦尽快给我换回来。", True),
     ],
 )
 def test_a_complaint_that_asks_for_an_action_is_medium_else_low(text: str, asks: bool) -> None:
@@ -140,10 +141,38 @@ def test_a_request_inside_withheld_text_is_not_the_writer_s_request(text: str, l
         ("If this isn't resolved by Friday, our solicitor will be in touch.", True),
         ("Ticket closed. The problem was fixed on the second visit, but I lost a day of work.", False),
         ("The issue is resolved, though nobody apologised.", False),
+        ("工单已于昨日由经理回访并补偿到位，可我还是很失望。", False),
+        ("请尽快补偿到位。", True),
+        # "请以…回答…" asks nothing of the business; "请…回复" still does
+        ("请以实际情况为准回答，谢谢。", False),
+        ("请尽快回复我。", True),
+        ("如有侵权请及时联系我们返回搜狐。", False),
+        ("I've fixed it myself, but the manual was useless.", False),
+        ("She wrote: I've personally resolved this and closed the case.", False),
     ],
 )
 def test_what_was_already_done_is_not_asked_for(text: str, asks: bool) -> None:
     assert asks_for_action(text) is asks
+
+
+@pytest.mark.parametrize(
+    ("text", "language", "urgency"),
+    [
+        (
+            "Agent (Mia): I've refunded you in full, anything else?\nCustomer: No, thanks.",
+            Language.EN,
+            Urgency.LOW,
+        ),
+        ("[Support]: we can replace it next week.\nMe: the screen cracked again.", Language.EN, Urgency.LOW),
+        ("客服：已为您申请换货。\n我：屏幕又裂了，我要求退款。", Language.ZH, Urgency.MEDIUM),
+        ("客服（小王）：可以给您补偿二十元。\n用户：屏幕又裂了。", Language.ZH, Urgency.LOW),
+        ("Paid it anyway. Agent (Maria): we've sorted a refund for you.", Language.EN, Urgency.LOW),
+    ],
+)
+def test_the_business_s_turns_in_a_quoted_exchange_are_not_the_writer_asking(
+    text: str, language: Language, urgency: Urgency
+) -> None:
+    assert triage_of(text, language, Category.OTHER, None).urgency is urgency
 
 
 def test_the_floor_reads_withheld_text_too() -> None:
