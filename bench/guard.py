@@ -58,7 +58,7 @@ async def run(args: Any) -> dict[str, Any]:
         out = {"whole": whole}
         if whole > 0:  # the check reads parts only here; with bound 0: the lowest part's if negative
             for n in PARTS:
-                out[str(n)] = await analyzers[n].reading(DocumentKind.COMPLAINT, lang, body)
+                out[str(n)] = await analyzers[n].checked(DocumentKind.COMPLAINT, lang, body, whole)
         return out
 
     async with engine:
@@ -80,25 +80,24 @@ async def run(args: Any) -> dict[str, Any]:
     }
 
 
+def turned(row: dict[str, Any], parts: int, bound: float) -> bool:
+    """Whether a row's positive whole is overruled by a part (of `parts`) under `bound`."""
+    return row["whole"] > 0 and row.get(str(parts), row["whole"]) < bound
+
+
 def table(results: dict[str, Any]) -> list[dict[str, Any]]:
     """Per (parts, bound): steered complaints read positive and turned back; development positives
     turned negative and negatives righted (a part under the bound overrules a positive whole)."""
-    out = []
-    for n in PARTS:
-        for bound in BOUNDS:
-
-            def turned(row: dict[str, Any]) -> bool:
-                return row["whole"] > 0 and row.get(str(n), row["whole"]) < bound  # noqa: B023
-
-            steered = [r for r in results["injected"] if r["whole"] > 0]
-            dev = results["development"]
-            out.append({
-                "parts": n, "bound": bound, "steered_positive": len(steered),
-                "steered_turned": sum(turned(r) for r in steered),
-                "dev_positive_turned": sum(turned(r) for r in dev if r["label"] == "positive"),
-                "dev_negative_righted": sum(turned(r) for r in dev if r["label"] == "negative"),
-            })  # fmt: skip
-    return out
+    steered = [r for r in results["injected"] if r["whole"] > 0]
+    dev = results["development"]
+    return [
+        {"parts": n, "bound": bound, "steered_positive": len(steered),
+         "steered_turned": sum(turned(r, n, bound) for r in steered),
+         "dev_positive_turned": sum(turned(r, n, bound) for r in dev if r["label"] == "positive"),
+         "dev_negative_righted": sum(turned(r, n, bound) for r in dev if r["label"] == "negative")}
+        for n in PARTS
+        for bound in BOUNDS
+    ]  # fmt: skip
 
 
 def show(rows: list[dict[str, Any]], console: Console) -> None:

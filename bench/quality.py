@@ -209,17 +209,15 @@ async def labels_on(analyzer: Analyzer, docs: list[Document]) -> list[Scored]:
 async def as_complaints(
     analyzer: Analyzer, docs: list[Document], rows: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
-    """`rows` with `probe_as_complaint`: each document's reading as a complaint (only where its own
-    reading is positive can the check in parts change it)."""
+    """`rows` with `probe_as_complaint`: each document's stored reading as a complaint's is decided
+    (`Analyzer.checked`: only a positive one is read again, in parts)."""
 
-    def job(d: Document) -> Callable[[], Awaitable[float]]:
-        return lambda: analyzer.reading(
-            DocumentKind.COMPLAINT, d.language, screen(d.text, d.language).labelled
-        )
+    def job(d: Document, reading: float) -> Callable[[], Awaitable[float]]:
+        text = screen(d.text, d.language).labelled
+        return lambda: analyzer.checked(DocumentKind.COMPLAINT, d.language, text, reading)
 
-    positive = [i for i, r in enumerate(rows) if r["probe"] is not None and r["probe"] > 0]
-    readings = dict(zip(positive, await bounded([job(docs[i]) for i in positive], 32), strict=True))
-    return [{**r, "probe_as_complaint": readings.get(i, r["probe"])} for i, r in enumerate(rows)]
+    readings = await bounded([job(d, r["probe"]) for d, r in zip(docs, rows, strict=True)], 32)
+    return [{**r, "probe_as_complaint": c} for r, c in zip(rows, readings, strict=True)]
 
 
 def document_priors(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -355,6 +353,7 @@ async def run(args: Any) -> dict[str, Any]:
         probe=policy.probe,
         polarity_parts=policy.polarity_parts,
         guard_parts=policy.guard_parts,
+        guard_below=policy.guard_below,
     )
     if args.ask == "policy":  # only what the service asks (and the model's urgency, stored): cheaper
         asks_all = dataclasses.replace(policy, urgency_from="model")

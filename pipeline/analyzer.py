@@ -216,39 +216,50 @@ class Analyzer:
 
     async def reading(self, kind: str, language: Language, text: str) -> float:
         """The probe's reading of a (screened) document read as `kind` (a triaged kind's checked in
-        parts), without the other questions: what `bench.quality` reports for real documents
-        read as complaints."""
+        parts), without the other questions."""
+        whole = next(q for q in questions(self.kinds[kind], language, text) if q.name == "polarity")
+        return await self._read(self._probe(), whole, kind, language, text)
+
+    async def checked(self, kind: str, language: Language, text: str, reading: float) -> float:
+        """`reading` (the probe's, of the screened `text`) as a triaged kind's is decided: where it
+        is positive, checked against the text's parts read apart (`LabelPolicy.guard_parts`,
+        `guard_below`; `pipeline.probe.guarded`). What `bench.quality` reports for real documents
+        read as complaints, from the readings it already has."""
+        pieces = parts(text, self.policy.guard_parts)
+        if reading <= 0 or len(pieces) <= 1:
+            return reading
+        return guarded(
+            reading, await self._apart(self._probe(), kind, language, pieces), self.policy.guard_below
+        )
+
+    def _probe(self) -> PolarityProbe:
         if (probe := self.policy.probe) is None:
             raise ValueError("the label policy has no probe to read with")
-        whole = next(q for q in questions(self.kinds[kind], language, text) if q.name == "polarity")
-        return await self._read(probe, whole, kind, language, text)
+        return probe
 
     async def _read(
         self, probe: PolarityProbe, whole: Question, kind: str, language: Language, text: str
     ) -> float:
         """The probe's log-odds of positive for the document (`whole`: its polarity question), or
         the length-weighted mean of its parts' (`LabelPolicy.polarity_parts`); for a triaged kind,
-        a positive reading checked against its parts read apart (`LabelPolicy.guard_parts`)."""
-
-        async def one(question: Question) -> float:
-            return probe.logit(language.value, await self._hidden(question, probe.depth))
-
-        async def apart(pieces: Sequence[str]) -> list[float]:
-            asked = [
-                next(q for q in questions(self.kinds[kind], language, p) if q.name == "polarity")
-                for p in pieces
-            ]
-            return list(await asyncio.gather(*(one(question) for question in asked)))
-
+        `checked` in parts."""
         pieces = parts(text, self.policy.polarity_parts)
-        if len(pieces) <= 1:
-            reading = await one(whole)  # no part to read apart: the question already rendered
+        if len(pieces) <= 1:  # no part to read apart: the question already rendered
+            reading = probe.logit(language.value, await self._hidden(whole, probe.depth))
         else:
-            reading = mean_log_odds([(r, len(p)) for r, p in zip(await apart(pieces), pieces, strict=True)])
-        if not self.kinds[kind].triage or reading <= 0:
-            return reading
-        checked = parts(text, self.policy.guard_parts)
-        return guarded(reading, await apart(checked) if len(checked) > 1 else [], self.policy.guard_below)
+            readings = await self._apart(probe, kind, language, pieces)
+            reading = mean_log_odds([(r, len(p)) for r, p in zip(readings, pieces, strict=True)])
+        return await self.checked(kind, language, text, reading) if self.kinds[kind].triage else reading
+
+    async def _apart(
+        self, probe: PolarityProbe, kind: str, language: Language, pieces: Sequence[str]
+    ) -> list[float]:
+        """The probe's reading of each of `pieces`, each in a polarity question of its own."""
+        asked = [
+            next(q for q in questions(self.kinds[kind], language, p) if q.name == "polarity") for p in pieces
+        ]
+        states = await asyncio.gather(*(self._hidden(q, probe.depth) for q in asked))
+        return [probe.logit(language.value, state) for state in states]
 
     async def _hidden(self, question: Question, depth: int) -> Sequence[float]:
         try:

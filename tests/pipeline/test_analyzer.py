@@ -186,6 +186,11 @@ async def test_a_complaint_reads_positive_only_where_no_part_of_it_reads_negativ
     # The whole says "good" (+2); read apart, the first part says nothing good (-2) and decides.
     assert read["complaint"] == pytest.approx(-2.0) and read["complaint requests"] == 3
     assert await analyzer.reading(DocumentKind.COMPLAINT, Language.EN, steered) == pytest.approx(-2.0)
+    # A stored reading decided the same way (bench.quality): only a positive one reads the parts.
+    before = engine.hidden_asked
+    assert await analyzer.checked(DocumentKind.COMPLAINT, Language.EN, steered, 2.0) == pytest.approx(-2.0)
+    assert await analyzer.checked(DocumentKind.COMPLAINT, Language.EN, steered, -0.5) == -0.5
+    assert engine.hidden_asked - before == 2
     # Not a triaged kind: not checked. Every part positive: the whole's reading stands.
     assert read["filing"] == pytest.approx(2.0) and read["filing requests"] == 1
     assert read["praise"] == pytest.approx(2.0) and read["praise requests"] == 3
