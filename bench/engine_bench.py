@@ -113,6 +113,7 @@ def in_child(args: Any, variants: str, scenarios: str, isolation: bool) -> dict[
                    "--new-tokens", str(args.new_tokens), "--max-batch", str(args.max_batch),
                    "--step-tokens", str(args.step_tokens), "--rate", str(args.rate),
                    "--kv-cache-mib", str(args.kv_cache_mib)]  # fmt: skip
+        options += ["--prompt-ids", str(args.prompt_ids)] if args.prompt_ids else []
         if args.random_shape:
             options += ["--random-shape", args.random_shape, "--tokenizer", str(args.tokenizer)]
             options += ["--layers", str(args.layers)] if args.layers is not None else []
@@ -152,6 +153,11 @@ def main() -> None:
         "--warm-up", action="store_true", help="first one short request unmeasured (as servers get)"
     )
     parser.add_argument("--kv-cache-mib", type=int, default=1024, help="the engine's KV pool")
+    parser.add_argument(
+        "--prompt-ids", type=Path,
+        help="a JSON list of prompts as token ids, the workload instead of the corpus's (its first --docs): "
+        "the same ids for checkouts whose prompts differ (bench.compare_trees)",
+    )  # fmt: skip
     parser.add_argument(
         "--random-shape", choices=sorted(SHAPES), help="a model of this shape with random weights (GPU hosts)"
     )
@@ -194,7 +200,10 @@ def main() -> None:
         )
     unpacked: list[LoadedModel] = []  # without isolation, a second copy for the unpacked variants
     pool = args.kv_cache_mib * 2**20
-    prompts = load_prompts(loaded.tokenizer, args.docs)
+    if args.prompt_ids:
+        prompts = [list(map(int, p)) for p in json.loads(args.prompt_ids.read_text())][: args.docs]
+    else:
+        prompts = load_prompts(loaded.tokenizer, args.docs)
     n = args.new_tokens
     at = {"burst": [0.0] * len(prompts), "stream": arrivals(len(prompts), args.rate)}
 

@@ -201,12 +201,14 @@ def engine_run(
     kv_cache_bytes: int = 1 << 30,
     kv_bits: int = 16,
     kv_kernel: KVKernel = "auto",
+    kv_int8_layers: tuple[int, ...] = (),
 ) -> Run:
     async def go() -> Run:
         config = EngineConfig(
             model_path=Path("bench"), dynamic_batching=dynamic, max_batch_size=max_batch,
             kv_cache_bytes=kv_cache_bytes, max_tokens_per_step=budget, prefix_caching=prefix_caching,
             kv_compression=kv_bits < 16, kv_quant_bits=kv_bits, kv_kernel=kv_kernel,
+            kv_int8_layers=kv_int8_layers,
         )  # fmt: skip
         engine = Engine(config, loaded)
         params = SamplingParams(max_new_tokens=n, ignore_eos=True)

@@ -8,7 +8,8 @@ default, as in `bench.kv_quality`: every document's blocks are its own, so the m
 The only difference between two runs is how KV blocks are stored and read.
 
 Profiles: `off`; `int8` and `int4` (quantised blocks read by the native kernel, the engine's
-default on CPU); `int8-torch` and `int4-torch` (the same blocks read by torch alone: what the
+default on CPU); `int4+int8@5` (int4, the five layers of `bench.kv_formats.SENSITIVE` at int8);
+`int8-torch` and `int4-torch` (the same blocks read by torch alone: what the
 kernel is worth; only when named in --profiles, except int8-torch, which runs by default).
 This machine's timings vary by several per cent from run to run, so every profile runs in each
 of --rounds rounds, back to back, in an order rotated from round to round; the cost is taken
@@ -32,16 +33,19 @@ from rich.table import Table
 
 from bench import common
 from bench.engine_variants import engine_run, prompt_ids
+from bench.kv_formats import SENSITIVE
 from bench.kv_quality import load_corpus
 from engine.config import KVKernel
 from engine.loader import load_model
 
-PROFILES: dict[str, tuple[int, KVKernel]] = {  # KV bits (16: uncompressed), reader
-    "off": (16, "auto"),
-    "int8": (8, "auto"),
-    "int4": (4, "auto"),
-    "int8-torch": (8, "torch"),
-    "int4-torch": (4, "torch"),
+# KV bits (16: uncompressed), reader, layers kept at 8 bits
+PROFILES: dict[str, tuple[int, KVKernel, tuple[int, ...]]] = {
+    "off": (16, "auto", ()),
+    "int8": (8, "auto", ()),
+    "int4": (4, "auto", ()),
+    "int4+int8@5": (4, "auto", SENSITIVE),  # bench.kv_quality's profile of that name
+    "int8-torch": (8, "torch", ()),
+    "int4-torch": (4, "torch", ()),
 }
 DEFAULT_PROFILES = "off,int8,int4,int8-torch"
 
@@ -63,6 +67,8 @@ def costs(runs: list[dict[str, Any]], name: str) -> list[float]:
 def main() -> None:
     parser = common.parser(__doc__)
     parser.add_argument("--profiles", default=DEFAULT_PROFILES, help=f"of {', '.join(PROFILES)}")
+    parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                        help="auto: bf16 where the CPU computes it natively, else fp32")  # fmt: skip
     parser.add_argument("--docs", type=int, default=24)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--max-batch", type=int, default=16)
@@ -77,16 +83,16 @@ def main() -> None:
         parser.error(f"--profiles must name off and only these: {', '.join(PROFILES)}")
     console = Console(width=150)
     args.model = common.model_path(args.model)
-    loaded = load_model(args.model, dtype="bfloat16")
+    loaded = load_model(args.model, dtype=args.dtype)
     prompts = [prompt_ids(loaded.tokenizer, doc) for doc in load_corpus(args.docs)]
     at = [0.0] * len(prompts)
     runs: list[dict[str, Any]] = []
     for round_ in range(args.rounds):
         for name in rotated(names, round_):
-            bits, kernel = PROFILES[name]
+            bits, kernel, int8_layers = PROFILES[name]
             run = engine_run(
                 loaded, prompts, args.new_tokens, at, True, args.max_batch, args.step_tokens,
-                args.prefix_caching, args.pool_mib << 20, bits, kernel,
+                args.prefix_caching, args.pool_mib << 20, bits, kernel, int8_layers,
             )  # fmt: skip
             runs.append({"round": round_, "profile": name, **run.row(), "wall_s": run.wall_s,
                          "tokens": run.tokens, "extra": run.extra})  # fmt: skip

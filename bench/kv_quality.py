@@ -28,7 +28,7 @@ import math
 import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,9 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import common
+from bench.kv_formats import SENSITIVE
 from engine import Engine, EngineConfig, SamplingParams
+from engine.kv_cache import ColdStore, KVShape
 from engine.loader import LoadedModel, load_model
 from pipeline.analyzer import Analyzer
 from pipeline.backends import EmbeddedBackend
@@ -65,6 +67,15 @@ PROFILES: dict[str, dict[str, Any]] = {
         "kv_quant_bits": 16,
         "kv_keep_ratio": 0.5,
         "kv_prune_policy": "heuristic",
+    },
+    # int4, but int8 in the layers where 4-bit error costs the default model most (ranked one layer
+    # at a time by bench.kv_formats: its SENSITIVE); a model with fewer layers refuses it.
+    "int4+int8@5": {"kv_compression": True, "kv_quant_bits": 4, "kv_int8_layers": SENSITIVE},
+    "int4+int8@5-w16": {
+        "kv_compression": True,
+        "kv_quant_bits": 4,
+        "kv_int8_layers": SENSITIVE,
+        "kv_residual_tokens": 16,
     },
     "int4+prune-0.7": {"kv_compression": True, "kv_quant_bits": 4, "kv_keep_ratio": 0.7},
     "int8+prune-0.4": {"kv_compression": True, "kv_quant_bits": 8, "kv_keep_ratio": 0.4},
@@ -113,12 +124,21 @@ def load_corpus(limit: int | None) -> list[dict[str, Any]]:
     return [docs[i * len(docs) // limit] for i in range(limit)]
 
 
+def bf16_shape(engine: Engine) -> KVShape:
+    """The cache's shape in bf16: bytes are counted as a bf16 cache holds them whatever the run's
+    dtype (an fp32 run's scales take twice the bytes and its codes the same, so its own ratio to
+    full precision would be smaller than the one the article's bf16 figure compares with)."""
+    return replace(engine.cache.shape, dtype=torch.bfloat16)
+
+
 def held(engine: Engine, seq_id: int) -> tuple[int, int]:
-    """Exact bytes of the sequence's blocks (all layers) and the tokens it holds."""
-    blocks = engine.blocks
+    """Exact bytes of the sequence's blocks (all layers), as a bf16 cache holds them, and the
+    tokens it holds."""
+    blocks, cache, shape = engine.blocks, engine.cache, bf16_shape(engine)
     table = blocks.table(seq_id)
     cold = sum(blocks.is_cold(b) for b in table)
-    size = cold * engine.cache.bytes_per_cold_block + (len(table) - cold) * engine.cache.bytes_per_block
+    cold_block = ColdStore.bytes_per_block(shape, cache.cold.formats, cache.block_size) if cache.cold else 0
+    size = cold * cold_block + (len(table) - cold) * shape.bytes_per_token * cache.block_size
     seq = engine.scheduler.running
     tokens = next((s.num_computed for s in seq if s.seq_id == seq_id), 0)
     return size, tokens
@@ -275,7 +295,7 @@ async def run_profile(
         preemptions = engine.stats().num_preemptions
     for r, (kl, top1) in zip(results, forced, strict=False):
         r.kl, r.top1 = kl, top1
-    bf16 = engine.cache.shape.bytes_per_token
+    bf16 = bf16_shape(engine).bytes_per_token
     ratios = [r.kv_bytes / r.kv_tokens / bf16 for r in results if r.kv_tokens]
     long_docs = [r.kv_bytes for r in results if r.chars >= 1500 and r.kv_tokens]
     kls = [k for r in results for k in r.kl]
@@ -312,13 +332,17 @@ def main() -> None:
     parser.add_argument(
         "--fit-pool-mib", type=int, default=256, help="pool for the 2,000-character fit count"
     )
+    parser.add_argument(
+        "--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+        help="the model's and cache's (auto: bf16 where computed natively); bytes count as bf16 either way",
+    )  # fmt: skip
     parser.add_argument("--top-k", type=int, default=256)
     parser.add_argument("--tf-tokens", type=int, default=128, help="teacher-force this many output tokens")
     parser.add_argument("--out", type=Path, default=Path("bench/results/kv-quality.json"))
     args = parser.parse_args()
     console = Console(width=160)
     args.model = common.model_path(args.model)
-    loaded = load_model(args.model, dtype="bfloat16")
+    loaded = load_model(args.model, dtype=args.dtype)
     docs = load_corpus(args.docs)
     names = [n for n in args.profiles.split(",") if n]
     if names[0] != "off":
@@ -339,7 +363,7 @@ def main() -> None:
 
     table = Table("profile", "KV bytes/token vs bf16", "fit 2k-char docs", "KL mean", "top-1", "polarity =",
                   "doubt =", "expect =", "viewpoint sim", "label", "valid JSON", "tok/s", "p95 s",
-                  title=f"KV compression, {len(docs)} documents, bf16, batch {args.max_batch}")  # fmt: skip
+                  title=f"KV compression, {len(docs)} documents, {loaded.dtype}, batch {args.max_batch}")  # fmt: skip
 
     def f(v: Any, spec: str) -> str:
         return "-" if v is None else format(v, spec)

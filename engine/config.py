@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_settings import NoDecode
 
 Device = Literal["auto", "cpu", "cuda"]
 PrunePolicy = Literal["attention", "heuristic"]
@@ -29,6 +30,11 @@ class EngineOptions(BaseModel):
     )
     kv_compression: bool = False  # the compression profile below applies
     kv_quant_bits: int = Field(default=8, description="4, 8, or 16 (no quantisation).")
+    kv_int8_layers: Annotated[tuple[int, ...], NoDecode] = Field(
+        default=(),
+        description="With 4-bit KV: layers (from 0; comma-separated) whose blocks are kept at 8 bits, "
+        "the ones where 4-bit error costs the model most.",
+    )
     kv_residual_tokens: int = Field(
         default=32, ge=0, le=4096, description="Recent tokens kept full precision."
     )
@@ -68,6 +74,23 @@ class EngineOptions(BaseModel):
         if value not in (4, 8, 16):
             raise ValueError("must be 4, 8 or 16")
         return value
+
+    @field_validator("kv_int8_layers", mode="before")
+    @classmethod
+    def _layer_list(cls, value: object) -> object:
+        if isinstance(value, str):
+            parts = [part.strip() for part in value.split(",") if part.strip()]
+            if not all(part.isdigit() for part in parts):
+                raise ValueError(f"{value!r}: layer numbers separated by commas, e.g. 9,11,13")
+            return tuple(int(part) for part in parts)
+        return value
+
+    @field_validator("kv_int8_layers")
+    @classmethod
+    def _layers_named_once(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        if any(layer < 0 for layer in value) or len(set(value)) != len(value):
+            raise ValueError("layers are numbered from 0, each named once")
+        return tuple(sorted(value))
 
     @property
     def pruning(self) -> bool:

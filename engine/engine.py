@@ -64,7 +64,7 @@ class EngineStats:
     kv_used_bytes: int
     kv_bytes_per_token: int  # full precision, all layers
     kv_tokens: int  # tokens of running sequences whose keys and values are held
-    kv_quant_bits: int | None  # None: uncompressed
+    kv_quant_bits: int | None  # the fewest bits of any layer (see KV_INT8_LAYERS); None: uncompressed
     kv_cold_bytes_per_token: float  # of a quantised block, all layers; 0 when uncompressed
     kv_reader: str | None  # how quantised blocks are read: "native-<isa>" or "torch"; None: none
     prefix_caching: bool
@@ -119,8 +119,10 @@ class Engine:
         self._num_finished = 0
         self._num_tokens = 0
         log.info(
-            "KV pool: %d full-precision + %d int%d blocks x %d tokens, %.1f MiB (%d bytes/token full)%s",
-            num_blocks, num_cold, config.kv_quant_bits, config.block_size, self.cache.total_bytes / 2**20,
+            "KV pool: %d full-precision + %d int%d blocks x %d tokens%s, %.1f MiB (%d bytes/token full)%s",
+            num_blocks, num_cold, config.kv_quant_bits, config.block_size,
+            f" (int8 in layers {list(config.kv_int8_layers)})" if config.kv_int8_layers else "",
+            self.cache.total_bytes / 2**20,
             shape.bytes_per_token, f", read by {self.cache.cold.reader}" if self.cache.cold else "",
         )  # fmt: skip
         if config.quantising and not num_cold:
@@ -294,7 +296,7 @@ class Engine:
             kv_used_bytes=self.blocks.num_used * bytes_per_block + self.blocks.num_used_cold * cold_block,
             kv_bytes_per_token=self.cache.shape.bytes_per_token,
             kv_tokens=sum(s.num_computed for s in self.scheduler.running),
-            kv_quant_bits=cold.fmt.bits if cold else None,
+            kv_quant_bits=cold.lowest_bits if cold else None,
             kv_cold_bytes_per_token=cold_block / self.cache.block_size,
             kv_reader=cold.reader if cold else None,
             prefix_caching=self.blocks.prefix_caching,

@@ -9,6 +9,7 @@ torch elsewhere.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -58,82 +59,78 @@ class ColdStore:
 
     With `rotate`, keys and values are rotated by a Hadamard matrix over the head dimension before
     they are quantised and rotated back after they are read (`hadamard`): the same bytes, a
-    different error."""
+    different error.
+
+    Each layer has its format (`formats`; one format stands for every layer): layers of one
+    format share their tensors (`FormatGroup`), so that storing is one quantisation per format."""
 
     def __init__(
         self,
         shape: KVShape,
-        fmt: QuantFormat,
+        fmt: QuantFormat | Sequence[QuantFormat],
         num_blocks: int,
         block_size: int,
         device: torch.device,
         kernel: NativeKernel | None = None,
         rotate: bool = False,
     ) -> None:
-        self.fmt = fmt
+        self.formats = per_layer(fmt, shape.num_layers)
         self.rotation = hadamard(shape.head_dim, device) if rotate else None
         self.num_blocks = num_blocks
         self.kernel = kernel
-        layers, heads, dim = shape.num_layers, shape.num_kv_heads, shape.head_dim
-        codes = (layers, num_blocks, heads, block_size, fmt.code_dim(dim))
-        self.key_codes = torch.zeros(codes, dtype=fmt.storage_dtype, device=device)
-        self.value_codes = torch.zeros(codes, dtype=fmt.storage_dtype, device=device)
-        self.key_scale = torch.zeros(layers, num_blocks, heads, dim, dtype=shape.dtype, device=device)
-        self.key_offset = torch.zeros_like(self.key_scale)
-        per_token = (layers, num_blocks, heads, block_size)
-        self.value_scale = torch.zeros(per_token, dtype=shape.dtype, device=device)
-        self.value_offset = torch.zeros_like(self.value_scale)
+        self.groups = [
+            FormatGroup.empty(f, [i for i, g in enumerate(self.formats) if g == f], shape, num_blocks,
+                              block_size, device)
+            for f in sorted(set(self.formats), key=lambda f: f.bits)
+        ]  # fmt: skip
+        self._where = {layer: (group, i) for group in self.groups for i, layer in enumerate(group.layers)}
 
     @property
     def reader(self) -> str:
         """How blocks are read: "native-<isa>" (the C kernel) or "torch"."""
         return f"native-{self.kernel.isa}" if self.kernel is not None else "torch"
 
+    @property
+    def lowest_bits(self) -> int:
+        return self.groups[0].fmt.bits
+
     def layer(self, layer: int) -> StoredLayer:
-        return StoredLayer(
-            self.key_codes[layer], self.key_scale[layer], self.key_offset[layer],
-            self.value_codes[layer], self.value_scale[layer], self.value_offset[layer],
-        )  # fmt: skip
+        group, i = self._where[layer]
+        return StoredLayer(*(t[i] for t in group.tensors))
 
     @staticmethod
-    def bytes_per_block(shape: KVShape, fmt: QuantFormat, block_size: int) -> int:
+    def bytes_per_block(shape: KVShape, fmt: QuantFormat | Sequence[QuantFormat], block_size: int) -> int:
+        """Exact bytes of one quantised block, every layer in its format."""
         element = torch.empty((), dtype=shape.dtype).element_size()
-        return (
-            fmt.bytes_per_block(shape.head_dim, block_size, element) * shape.num_kv_heads * shape.num_layers
+        per_head = (
+            f.bytes_per_block(shape.head_dim, block_size, element) for f in per_layer(fmt, shape.num_layers)
         )
+        return sum(per_head) * shape.num_kv_heads
 
     @property
     def total_bytes(self) -> int:
-        parts = [self.key_codes, self.value_codes, self.key_scale, self.key_offset, self.value_scale]
-        parts.append(self.value_offset)
-        return sum(t.numel() * t.element_size() for t in parts)
+        return sum(t.numel() * t.element_size() for group in self.groups for t in group.tensors)
 
     def store(self, keys: torch.Tensor, values: torch.Tensor, blocks: torch.Tensor) -> None:
         """Quantises full-precision blocks (L, n, block_size, KVH, D) into cold `blocks` (n,)."""
         keys, values = self._rotated(keys), self._rotated(values)
-        codes, scale, low = quantize_keys(keys, self.fmt)  # codes (L, n, bs, KVH, C)
-        self.key_codes.index_copy_(1, blocks, to_storage(codes, self.fmt).transpose(2, 3).contiguous())
-        self.key_scale.index_copy_(1, blocks, scale)
-        self.key_offset.index_copy_(1, blocks, self._offset(scale, low))
-        codes, scale, low = quantize_values(values, self.fmt)  # scale and min (L, n, bs, KVH)
-        self.value_codes.index_copy_(1, blocks, to_storage(codes, self.fmt).transpose(2, 3).contiguous())
-        self.value_scale.index_copy_(1, blocks, scale.transpose(2, 3).contiguous())
-        self.value_offset.index_copy_(1, blocks, self._offset(scale, low).transpose(2, 3).contiguous())
-
-    def _offset(self, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-        """x = code * scale + min = (code - zero) * scale + (min + zero * scale)."""
-        return (low.float() + self.fmt.zero * scale.float()).to(scale.dtype)
+        if len(self.groups) == 1:  # one format: every layer at once, no copy
+            self.groups[0].store(keys, values, blocks)
+            return
+        for group in self.groups:
+            layers = torch.tensor(group.layers, device=keys.device)
+            group.store(keys.index_select(0, layers), values.index_select(0, layers), blocks)
 
     def gathered(self, layer: int, head_blocks: torch.Tensor, pairs: int) -> ColdHistory:
         """Cold blocks as attention reads them, dequantised into the cache's dtype, per (sequence,
         KV head) pair; `head_blocks` (pairs * m,) are rows of (block, KV head) in (sequence, KV
         head, block) order, so that each pair's tokens come out contiguous and in order."""
-        stored = self.layer(layer)
+        stored, fmt = self.layer(layer), self.formats[layer]
         if self.kernel is None:
-            keys, values = read_rows(stored, head_blocks, self.fmt)
+            keys, values = read_rows(stored, head_blocks, fmt)
         else:
             size, width = stored.key_codes.shape[-2:]
-            bits, read = self.fmt.bits, self.kernel.dequantize
+            bits, read = fmt.bits, self.kernel.dequantize
             keys = read(
                 stored.key_codes.view(-1, size, width), stored.key_scale.flatten(0, 1),
                 stored.key_offset.flatten(0, 1), head_blocks, bits, per_token=False,
@@ -150,6 +147,74 @@ class ColdStore:
         if self.rotation is None:
             return x
         return (x.float() @ self.rotation).to(x.dtype)
+
+
+def per_layer(fmt: QuantFormat | Sequence[QuantFormat], num_layers: int) -> tuple[QuantFormat, ...]:
+    """One format per layer: a single format stands for every layer."""
+    formats = (fmt,) * num_layers if isinstance(fmt, QuantFormat) else tuple(fmt)
+    if len(formats) != num_layers:
+        raise ValueError(f"{len(formats)} KV formats for {num_layers} layers")
+    return formats
+
+
+@dataclass(frozen=True)
+class FormatGroup:
+    """The layers stored in one format, as tensors with a leading dimension over those layers:
+    key codes (layers, blocks, KVH, block_size, C) with a (scale, offset) per block and channel
+    (layers, blocks, KVH, D); value codes likewise with a (scale, offset) per token (layers,
+    blocks, KVH, block_size)."""
+
+    fmt: QuantFormat
+    layers: tuple[int, ...]
+    key_codes: torch.Tensor
+    key_scale: torch.Tensor
+    key_offset: torch.Tensor
+    value_codes: torch.Tensor
+    value_scale: torch.Tensor
+    value_offset: torch.Tensor
+
+    @classmethod
+    def empty(
+        cls, fmt: QuantFormat, layers: Sequence[int], shape: KVShape, num_blocks: int, block_size: int,
+        device: torch.device,
+    ) -> FormatGroup:  # fmt: skip
+        heads, dim = shape.num_kv_heads, shape.head_dim
+        codes = (len(layers), num_blocks, heads, block_size, fmt.code_dim(dim))
+        per_channel, per_token = (
+            (len(layers), num_blocks, heads, dim),
+            (len(layers), num_blocks, heads, block_size),
+        )
+
+        def zeros(size: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(size, dtype=dtype, device=device)
+
+        return cls(
+            fmt, tuple(layers), zeros(codes, fmt.storage_dtype), zeros(per_channel, shape.dtype),
+            zeros(per_channel, shape.dtype), zeros(codes, fmt.storage_dtype), zeros(per_token, shape.dtype),
+            zeros(per_token, shape.dtype),
+        )  # fmt: skip
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """In `StoredLayer`'s order."""
+        return (self.key_codes, self.key_scale, self.key_offset, self.value_codes, self.value_scale,
+                self.value_offset)  # fmt: skip
+
+    def store(self, keys: torch.Tensor, values: torch.Tensor, blocks: torch.Tensor) -> None:
+        """These layers' full-precision blocks (layers, n, block_size, KVH, D) into `blocks` (n,)."""
+        fmt = self.fmt
+        codes, scale, low = quantize_keys(keys, fmt)  # codes (layers, n, bs, KVH, C)
+        self.key_codes.index_copy_(1, blocks, to_storage(codes, fmt).transpose(2, 3).contiguous())
+        self.key_scale.index_copy_(1, blocks, scale)
+        self.key_offset.index_copy_(1, blocks, self._offset(scale, low))
+        codes, scale, low = quantize_values(values, fmt)  # scale and min (layers, n, bs, KVH)
+        self.value_codes.index_copy_(1, blocks, to_storage(codes, fmt).transpose(2, 3).contiguous())
+        self.value_scale.index_copy_(1, blocks, scale.transpose(2, 3).contiguous())
+        self.value_offset.index_copy_(1, blocks, self._offset(scale, low).transpose(2, 3).contiguous())
+
+    def _offset(self, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+        """x = code * scale + min = (code - zero) * scale + (min + zero * scale)."""
+        return (low.float() + self.fmt.zero * scale.float()).to(scale.dtype)
 
 
 @dataclass(frozen=True)
@@ -188,7 +253,7 @@ class KVCache:
         """Bytes of one quantised block, all layers (0 without a quantised store)."""
         if self.cold is None:
             return 0
-        return ColdStore.bytes_per_block(self.shape, self.cold.fmt, self.block_size)
+        return ColdStore.bytes_per_block(self.shape, self.cold.formats, self.block_size)
 
     @property
     def total_bytes(self) -> int:

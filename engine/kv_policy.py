@@ -32,7 +32,7 @@ from engine import kv_native
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, PrunePolicy
 from engine.kv_cache import ColdStore, KVCache, KVShape
-from engine.kv_quant import QuantFormat
+from engine.kv_quant import layer_formats
 from engine.sequence import Sequence
 
 # fmt: off
@@ -237,7 +237,7 @@ def build_cache(config: EngineConfig, shape: KVShape, device: torch.device, max_
     if not config.quantising:
         blocks = cap // hot_bytes if usable is None else min(cap // hot_bytes, usable)
         return KVCache(shape, max(1, blocks), size, device)
-    fmt = QuantFormat(config.kv_quant_bits)
+    fmt = layer_formats(shape.num_layers, config.kv_quant_bits, config.kv_int8_layers)
     per_seq = -(-config.kv_sink_tokens // size) + -(-config.kv_residual_tokens // size) + 2
     hot_needed = config.effective_batch_size * per_seq + -(-config.max_tokens_per_step // size)
     if config.pruning:  # prompts stay full precision until they are scored: room for a few long ones

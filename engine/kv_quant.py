@@ -53,6 +53,15 @@ class QuantFormat:
         return block_size * per_token + 2 * head_dim * scale_bytes
 
 
+def layer_formats(num_layers: int, bits: int, int8_layers: tuple[int, ...] = ()) -> tuple[QuantFormat, ...]:
+    """Each layer's format: `bits`, but 8 in `int8_layers`."""
+    if beyond := [layer for layer in int8_layers if layer >= num_layers]:
+        raise ValueError(
+            f"KV_INT8_LAYERS names layers {beyond}; the model has {num_layers} (0-{num_layers - 1})"
+        )
+    return tuple(QuantFormat(8 if layer in int8_layers else bits) for layer in range(num_layers))
+
+
 def _pack(codes: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     if fmt.bits == 8:
         return codes

@@ -17,6 +17,7 @@ from engine.kv_quant import (
     QuantFormat,
     centred,
     hadamard,
+    layer_formats,
     quantize_keys,
     quantize_values,
     unpack,
@@ -174,7 +175,7 @@ def test_reading_stored_blocks_gives_what_dequantising_the_codes_gives(
     shape, size, fmt = KVShape(2, 2, 32, torch.float32), 16, QuantFormat(bits)
     store = ColdStore(shape, fmt, 6, size, torch.device("cpu"), kernel, rotate=rotate)
     h = hadamard(32) if rotate else torch.eye(32)
-    assert store.key_codes.dtype == (torch.int8 if bits == 8 else torch.uint8)
+    assert store.layer(1).key_codes.dtype == (torch.int8 if bits == 8 else torch.uint8)
     assert store.reader == ("torch" if kernel is None else f"native-{kernel.isa}")
     blocks = outlier_keys(2, 2, 6, size, 2, 32)  # keys/values, (L, n, bs, KVH, D)
     store.store(blocks[0], blocks[1], torch.arange(6))
@@ -186,6 +187,46 @@ def test_reading_stored_blocks_gives_what_dequantising_the_codes_gives(
         block, head = divmod(row, 2)
         torch.testing.assert_close(history.keys[i], expected_keys[block, :, head], rtol=0, atol=1e-4)
         torch.testing.assert_close(history.values[i], expected_values[block, :, head], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize("reader", ["torch", "native"])
+def test_a_store_of_mixed_formats_reads_each_layer_in_its_own(reader: str, rotate: bool) -> None:
+    """Layers 0 and 2 at 4 bits, layer 1 at 8 (KV_INT8_LAYERS): each layer reads back what
+    dequantising its own format's codes gives, and the bytes are each layer's format's."""
+    kernel = native_kernel() if reader == "native" else None
+    shape, size = KVShape(3, 2, 32, torch.float32), 16
+    formats = (QuantFormat(4), QuantFormat(8), QuantFormat(4))
+    store = ColdStore(shape, formats, 4, size, torch.device("cpu"), kernel, rotate=rotate)
+    h = hadamard(32) if rotate else torch.eye(32)
+    blocks = outlier_keys(2, 3, 4, size, 2, 32)  # keys/values, (L, n, bs, KVH, D)
+    store.store(blocks[0], blocks[1], torch.tensor([2, 0, 3, 1]))  # into blocks out of order
+    rows = torch.tensor([0, 7, 3, 4])  # (block, KV head) rows
+    for layer, fmt in enumerate(formats):
+        assert store.layer(layer).key_codes.shape[-1] == fmt.code_dim(32)
+        history = store.gathered(layer, rows, pairs=4)
+        keys = dequantize_keys(*quantize_keys(blocks[0, layer] @ h, fmt), fmt) @ h  # (n, bs, KVH, D)
+        values = dequantize_values(*quantize_values(blocks[1, layer] @ h, fmt), fmt) @ h
+        for i, row in enumerate(rows.tolist()):
+            block, head = divmod(row, 2)
+            source = [2, 0, 3, 1].index(block)
+            torch.testing.assert_close(history.keys[i], keys[source, :, head], rtol=0, atol=1e-4)
+            torch.testing.assert_close(history.values[i], values[source, :, head], rtol=0, atol=1e-4)
+    per_layer = [ColdStore.bytes_per_block(KVShape(1, 2, 32, torch.float32), f, size) for f in formats]
+    assert ColdStore.bytes_per_block(shape, formats, size) == sum(per_layer)
+    assert store.total_bytes == 4 * sum(per_layer)
+    assert store.lowest_bits == 4
+
+
+def test_int8_layers_are_named_from_zero_once_each_and_within_the_model() -> None:
+    config = EngineConfig(model_path=Path("unused"), kv_int8_layers="21, 9,13")  # type: ignore[arg-type]
+    assert config.kv_int8_layers == (9, 13, 21)
+    for wrong, why in (("1,1", "each named once"), ((-1,), "each named once"), ("-1", "separated by commas")):
+        with pytest.raises(ValueError, match=why):
+            EngineConfig(model_path=Path("unused"), kv_int8_layers=wrong)  # type: ignore[arg-type]
+    assert [f.bits for f in layer_formats(3, 4, (1,))] == [4, 8, 4]
+    with pytest.raises(ValueError, match="names layers \\[3\\]; the model has 3"):
+        layer_formats(3, 4, (0, 3))
 
 
 @pytest.mark.parametrize("head_dim", [64, 24])  # 24: not a multiple of the vector width (portable loop)
@@ -322,6 +363,35 @@ async def test_the_native_and_torch_readers_generate_the_same_tokens(tiny: Loade
     native, _ = await run(tiny, **options)
     by_torch, _ = await run(tiny, **options, kv_kernel="torch")
     assert native == by_torch
+
+
+async def test_int4_with_every_layer_named_int8_is_the_int8_profile_token_for_token(
+    tiny: LoadedModel,
+) -> None:
+    """KV_INT8_LAYERS over all layers stores and reads exactly what KV_QUANT_BITS=8 does; naming one
+    layer holds bytes between int4's and int8's, each layer in its format."""
+    layers = int(tiny.model.config.num_hidden_layers)
+    base: dict[str, object] = {"kv_compression": True, "kv_residual_tokens": 8}
+    int8, _ = await run(tiny, **base, kv_quant_bits=8)
+    every, _ = await run(tiny, **base, kv_quant_bits=4, kv_int8_layers=tuple(range(layers)))
+    assert every == int8
+
+    def cold_bytes(**options: object) -> float:
+        config = EngineConfig(
+            model_path=Path("unused"),
+            dtype="float32",
+            kv_cache_bytes=1 << 22,
+            **base,
+            **options,  # type: ignore[arg-type]
+        )
+        return Engine(config, tiny).stats().kv_cold_bytes_per_token
+
+    four, eight, one = (
+        cold_bytes(kv_quant_bits=4),
+        cold_bytes(kv_quant_bits=8),
+        cold_bytes(kv_quant_bits=4, kv_int8_layers=(0,)),
+    )
+    assert one == pytest.approx(four + (eight - four) / layers)
 
 
 async def test_status_reports_compression(tiny: LoadedModel) -> None:

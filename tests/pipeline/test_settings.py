@@ -15,6 +15,11 @@ def test_reads_the_articles_switches_from_the_environment(monkeypatch: pytest.Mo
     assert (settings.dynamic_batching, settings.kv_compression, settings.max_batch_size) == (True, True, 6)
 
 
+def test_int8_layers_are_read_as_a_comma_separated_list(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KV_INT8_LAYERS", "16, 9,11")
+    assert load_settings().kv_int8_layers == (9, 11, 16)
+
+
 def test_defaults_match_the_article(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("DYNAMIC_BATCHING", "KV_COMPRESSION", "MAX_BATCH_SIZE", "STATUS_PORT"):
         monkeypatch.delenv(name, raising=False)
@@ -33,6 +38,8 @@ def test_defaults_match_the_article(monkeypatch: pytest.MonkeyPatch) -> None:
         ("STATUS_PORT", "70000"),
         ("KV_QUANT_BITS", "12"),
         ("KV_KEEP_RATIO", "0"),
+        ("KV_INT8_LAYERS", "[9,11]"),
+        ("KV_INT8_LAYERS", "9,9"),
     ],
 )
 def test_invalid_values_name_the_variable(monkeypatch: pytest.MonkeyPatch, name: str, value: str) -> None:
