@@ -80,6 +80,8 @@ def worker_env(settings: Settings, **extra: str) -> dict[str, str]:
 
     from pydantic import SecretStr
 
+    from pipeline.settings import as_env
+
     values = settings.model_dump()
     env = {k: v for k, v in os.environ.items() if k.lower() not in values}
     for name, value in values.items():
@@ -87,7 +89,7 @@ def worker_env(settings: Settings, **extra: str) -> dict[str, str]:
             continue
         if isinstance(value, SecretStr):
             value = value.get_secret_value()
-        env[name.upper()] = str(value).lower() if isinstance(value, bool) else str(value)
+        env[name.upper()] = as_env(value)
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
     return env | extra
 

@@ -30,6 +30,16 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "deepanalyze"
 
 
+def as_env(value: object) -> str:
+    """A setting's value written as its environment variable is read back: booleans in lower case,
+    lists of values (KV_INT8_LAYERS, HTTP_ALLOWED_HOSTS) comma-separated."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    return str(value)
+
+
 class Settings(BaseSettings, EngineOptions):
     model_config = SettingsConfigDict(env_prefix="", case_sensitive=False, extra="ignore", frozen=True)
 

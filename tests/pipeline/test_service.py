@@ -25,7 +25,7 @@ from pipeline.client import Sent, collect_answers, publish_documents, publish_ra
 from pipeline.http import serve_status
 from pipeline.kafka import ensure_topics, make_consumer
 from pipeline.service import Service, label_policy, running
-from pipeline.settings import Settings
+from pipeline.settings import Settings, as_env
 from pipeline.telemetry import Telemetry
 from schemas import AnalysisEvent, DeadLetter, DeadLetterReason, DocumentEvent, DocumentKind, Language
 from tests.deploy.promql import SCRAPE_SERIES, TARGET_LABELS, queries, reads
@@ -157,7 +157,7 @@ def _settings_env(settings: Settings) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "TOPIC_", "DYNAMIC_", "MAX_"))}
     for name, value in settings.model_dump().items():
         if value is not None and not isinstance(value, dict | list):
-            env[name.upper()] = str(value).lower() if isinstance(value, bool) else str(value)
+            env[name.upper()] = as_env(value)
     return env
 
 

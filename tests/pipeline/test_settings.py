@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.settings import SettingsError, load_settings, unknown_variables
+from pipeline.settings import SettingsError, as_env, load_settings, unknown_variables
 
 
 def test_reads_the_articles_switches_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -84,3 +84,18 @@ def test_near_misses_of_setting_names_and_a_project_prefix_are_warned_about() ->
         "DEEPANALYZE_MODEL_PATH is not read (settings have no prefix: MODEL_PATH?)",
         "KV_COMPRESION is not read (did you mean KV_COMPRESSION?)",
     ]
+
+
+def test_settings_written_as_environment_variables_read_back_the_same(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Workers started by tests and benchmarks get their settings as variables (`as_env`)."""
+    monkeypatch.setenv("KV_INT8_LAYERS", "9,11")
+    monkeypatch.setenv("HTTP_ALLOWED_HOSTS", "a.example.com,b.example.com")
+    settings = load_settings()
+    for name in ("kv_int8_layers", "http_allowed_hosts", "kv_compression"):
+        monkeypatch.setenv(name.upper(), as_env(getattr(settings, name)))
+    again = load_settings()
+    assert (again.kv_int8_layers, again.http_allowed_hosts) == ((9, 11), ("a.example.com", "b.example.com"))
+    monkeypatch.setenv("KV_INT8_LAYERS", as_env(()))
+    assert load_settings().kv_int8_layers == ()
