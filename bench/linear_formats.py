@@ -19,7 +19,16 @@ Formats, all in fp32 activations:
   llama.cpp's Q8_0 activations are), multiplied by `torch._int_mm` (int8 x int8 -> int32) and
   rescaled: independent of the batch, but torch's integer product has no fast CPU kernel (on an
   AVX2 EPYC, 236 ms a layer at 1 row against 3.7 ms packed): it shows the error such a format
-  makes, and its speed would need a kernel of the engine's own.
+  makes, and its speed would need a kernel of the engine's own;
+- `int8-g128`, `int8-g32`: weights and activations in int8 with a scale per group of 128 (32, as
+  llama.cpp's Q8_0 x Q8_0) consecutive input channels, per output channel and per row: the
+  formats whose error an outlier channel spreads over its group only. Quality only, not timed:
+  no CPU kernel here multiplies them (on a CPU without VNNI each group's int32 sum needs a
+  conversion and a scaled float add per output, work the size of the fp32 product it replaces).
+
+Every int8 format's quality is computed from its codes dequantised in fp32: the numbers an integer
+kernel gives, up to the fp32 rounding of the sum (an integer product of whole documents through
+`torch._int_mm` takes minutes a document here).
 
 Quality: on `--docs` evenly spaced documents of bench/data/kv-corpus.jsonl (the documents the KV
 benchmarks use), the narrative prompt followed by the plain model's greedy continuation
@@ -50,7 +59,8 @@ from torch import nn
 from bench import common
 from engine.linear import PackedLinear, can_pack, linear_targets
 
-FORMATS = ("plain", "packed", "int8", "int8-row")
+FORMATS = ("plain", "packed", "int8", "int8-row", "int8-g128", "int8-g32")
+UNTIMED = ("int8-g128", "int8-g32")  # no kernel: quality only
 
 
 def int8_linear(linear: nn.Linear) -> nn.Module:
@@ -89,21 +99,53 @@ class RowInt8Linear(nn.Module):
         return out.reshape(*x.shape[:-1], -1)
 
 
-CONVERT: dict[str, Callable[[nn.Linear], nn.Module]] = {
+def fake_int8(x: torch.Tensor, group: int | None) -> torch.Tensor:
+    """`x` rounded to symmetric int8 codes with a scale per `group` consecutive elements of its last
+    dimension (None: the whole of it), and dequantised."""
+    size = group or x.shape[-1]
+    grouped = x.reshape(*x.shape[:-1], x.shape[-1] // size, size)
+    scales = grouped.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / 127
+    return (torch.round(grouped / scales) * scales).reshape(x.shape)
+
+
+class DequantisedInt8Linear(nn.Module):
+    """The product an int8 x int8 kernel with a scale per `group` input channels (None: per output
+    channel and per row) computes, from the dequantised codes in fp32."""
+
+    def __init__(self, linear: nn.Linear, group: int | None) -> None:
+        super().__init__()
+        if group is not None and linear.in_features % group:
+            raise ValueError(f"{linear.in_features} input channels do not split into groups of {group}")
+        self.group = group
+        self.weight = fake_int8(linear.weight.detach().float(), group)
+        self.bias = None if linear.bias is None else linear.bias.detach().float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(fake_int8(x.float(), self.group), self.weight, self.bias)
+
+
+CONVERT: dict[str, Callable[[nn.Linear], nn.Module]] = {  # what is timed
     "plain": lambda linear: linear,
     "packed": PackedLinear,
     "int8": int8_linear,
     "int8-row": RowInt8Linear,
 }
+QUALITY: dict[str, Callable[[nn.Linear], nn.Module]] = CONVERT | {  # what reads the documents
+    "int8-row": lambda linear: DequantisedInt8Linear(linear, None),
+    "int8-g128": lambda linear: DequantisedInt8Linear(linear, 128),
+    "int8-g32": lambda linear: DequantisedInt8Linear(linear, 32),
+}
 
 
-def convert(model: nn.Module, fmt: str) -> nn.Module:
-    """A copy of `model` whose decoder-layer linears and output head are in `fmt`."""
+def convert(
+    model: nn.Module, fmt: str, table: dict[str, Callable[[nn.Linear], nn.Module]] = CONVERT
+) -> nn.Module:
+    """A copy of `model` whose decoder-layer linears and output head are in `fmt` (as `table` builds it)."""
     if fmt == "plain":
         return model
     out = copy.deepcopy(model)
     for parent, name in linear_targets(out):
-        setattr(parent, name, CONVERT[fmt](getattr(parent, name)))
+        setattr(parent, name, table[fmt](getattr(parent, name)))
     return out
 
 
@@ -181,7 +223,7 @@ def quality(model: nn.Module, tokenizer: Any, formats: list[str], docs: list[dic
     for fmt in formats:
         if fmt == "plain":
             continue
-        converted, began = convert(model, fmt), time.perf_counter()
+        converted, began = convert(model, fmt, QUALITY), time.perf_counter()
         kls, top1 = [], []
         for (ids, n), ref in zip(seqs, reference, strict=True):
             test = logprobs(converted, ids, n)
@@ -213,7 +255,8 @@ def main() -> None:
     if "packed" in formats and not can_pack(torch.device("cpu"), torch.float32):
         parser.error("this torch cannot pack fp32 weights for oneDNN here: leave out `packed`")
     config = AutoConfig.from_pretrained(args.model)
-    timings = speed(config, formats, [int(r) for r in args.rows.split(",")], args.rounds, console)
+    timed = [fmt for fmt in formats if fmt not in UNTIMED]
+    timings = speed(config, timed, [int(r) for r in args.rows.split(",")], args.rounds, console)
     accuracy: list[dict[str, Any]] = []
     docs = load_corpus(args.docs) if args.docs else []
     if docs:
@@ -228,6 +271,7 @@ def main() -> None:
                   title=f"linear formats, fp32 activations, {torch.get_num_threads()} threads")  # fmt: skip
     for fmt in formats:
         cells = [f"{t['ms_per_layer']:.2f} ({t['gflop_s']:.0f})" for t in timings if t["format"] == fmt]
+        cells = cells or ["not timed"] * len({t["rows"] for t in timings})
         acc = next((a for a in accuracy if a["format"] == fmt), None)
         table.add_row(
             fmt, *cells, f"{acc['kl_mean']:.5f}" if acc else "–", f"{acc['top1']:.4f}" if acc else "–"

@@ -1,6 +1,7 @@
 """The linear-format benchmark converts what the engine packs (every decoder linear and the head),
 leaves the reference model alone, times the model's own shapes, and states each int8 format's
-batch dependence truthfully."""
+batch dependence truthfully; the int8 formats' quality is read from the products their integer
+kernels compute."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from bench.linear_formats import CONVERT, RowInt8Linear, convert, layer_shapes
+from bench.linear_formats import CONVERT, QUALITY, DequantisedInt8Linear, RowInt8Linear, convert, layer_shapes
 from engine.linear import PackedLinear
 from engine.tiny import build_tiny
 
@@ -51,3 +52,28 @@ def test_which_int8_format_keeps_a_rows_product_independent_of_its_batch(fmt: st
     if isinstance(module, RowInt8Linear):
         exact = nn.functional.linear(row, module.codes_t.t().float() * module.scales[:, None], module.bias)
         torch.testing.assert_close(alone, exact, rtol=0.02, atol=0.02)  # the weights' own rounding aside
+
+
+def test_the_dequantised_per_row_product_is_the_integer_kernels_product() -> None:
+    """Quality is measured without the slow integer product; that must not change the numbers."""
+    torch.manual_seed(0)
+    linear = nn.Linear(128, 48)
+    x = torch.randn(20, 128) * torch.linspace(0.1, 8, 128)
+    with torch.inference_mode():
+        integer, dequantised = RowInt8Linear(linear)(x), QUALITY["int8-row"](linear)(x)
+    torch.testing.assert_close(dequantised, integer, rtol=1e-5, atol=1e-4)
+
+
+def test_a_group_scale_keeps_an_outlier_channels_error_inside_its_group() -> None:
+    """With one scale per row, an outlier channel coarsens every channel's codes; with a scale per
+    group of 32 only the outlier's group is coarser, so the product errs less."""
+    torch.manual_seed(0)
+    linear = nn.Linear(128, 64, bias=False)
+    x = torch.randn(16, 128)
+    x[:, 5] = 300.0  # one massive activation channel, as the model's residual stream has
+    exact = linear(x).detach()
+    with torch.inference_mode():
+        errors = {g: (DequantisedInt8Linear(linear, g)(x) - exact).abs().mean().item() for g in (None, 32)}
+    assert errors[32] < errors[None] / 2
+    with pytest.raises(ValueError, match="groups of 32"):
+        DequantisedInt8Linear(nn.Linear(40, 8), 32)
