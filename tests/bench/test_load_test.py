@@ -16,7 +16,15 @@ import pytest
 
 from bench.load_gen import DEPARTMENTS, Sent, load_corpus, schedule
 from bench.load_report import Level, max_stable, outcome, percentile, summarise
-from bench.load_test import burst_docs, known_unstable, main, next_start
+from bench.load_test import (
+    CONFIGS,
+    DEFAULT_CONFIGS,
+    burst_docs,
+    config_settings,
+    known_unstable,
+    main,
+    next_start,
+)
 
 
 def test_the_corpus_is_the_articles_range_of_lengths_in_both_languages_and_all_kinds() -> None:
@@ -107,6 +115,16 @@ def test_the_next_configuration_starts_where_the_previous_one_first_failed() -> 
     assert next_start([level(3.0, bad), level(1.5, ok)], grid) == 3.0  # stepped down, then held
     assert next_start([level(3.0, ok), level(6.0, ok)], grid) == 6.0  # held everything it ran
     assert next_start([level(3.0, bad), level(1.5, bad)], grid) == 3.0
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_every_configuration_is_a_worker_setting_the_worker_accepts(name: str) -> None:
+    args = SimpleNamespace(kv_pool_mib=64, max_batch=8, model="/models/m", max_document_chars=8_000)
+    settings = config_settings("localhost:9092", name, args)
+    assert settings.kv_cache_bytes == 64 * 2**20 and settings.kv_compression == ("kv" in name)
+    if name == "dynamic_kv4":  # the capacity profile: 4 bits, the five sensitive layers at 8
+        assert settings.kv_quant_bits == 4 and settings.kv_int8_layers == (9, 11, 13, 16, 21)
+    assert DEFAULT_CONFIGS == ("static", "dynamic", "dynamic_kv")  # what `make bench` runs
 
 
 def test_the_burst_spans_the_corpus_from_shortest_to_longest() -> None:
