@@ -73,25 +73,13 @@ def label_policy(arg: Path | None, parts: int | None = None, guard: int | None =
 
 
 def worker_env(settings: Settings, **extra: str) -> dict[str, str]:
-    """The environment of a worker process that loads exactly `settings`: the parent's environment
-    minus anything `settings` sets, plus every setting as its variable (secrets included, in clear:
-    the child needs them; they never reach a log)."""
+    """The environment of a worker process that loads exactly `settings` (`pipeline.settings.child_env`)
+    and imports this checkout, plus `extra`."""
     import os
 
-    from pydantic import SecretStr
+    from pipeline.settings import child_env
 
-    from pipeline.settings import as_env
-
-    values = settings.model_dump()
-    env = {k: v for k, v in os.environ.items() if k.lower() not in values}
-    for name, value in values.items():
-        if value is None or isinstance(value, dict | list):
-            continue
-        if isinstance(value, SecretStr):
-            value = value.get_secret_value()
-        env[name.upper()] = as_env(value)
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
-    return env | extra
+    return child_env(settings, os.environ) | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])} | extra
 
 
 def stop_process(process: subprocess.Popen[bytes], timeout_s: float) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import ipaddress
 import os
+from collections.abc import Mapping
 from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Literal
@@ -38,6 +39,21 @@ def as_env(value: object) -> str:
     if isinstance(value, tuple):
         return ",".join(map(str, value))
     return str(value)
+
+
+def child_env(settings: Settings, parent: Mapping[str, str]) -> dict[str, str]:
+    """The environment of a child process that loads exactly `settings`: `parent` minus anything
+    `settings` sets, plus every setting as its variable (secrets included, in clear: the child
+    needs them; they never reach a log)."""
+    values = settings.model_dump()
+    env = {k: v for k, v in parent.items() if k.lower() not in values}
+    for name, value in values.items():
+        if value is None or isinstance(value, dict | list):
+            continue
+        if isinstance(value, SecretStr):
+            value = value.get_secret_value()
+        env[name.upper()] = as_env(value)
+    return env
 
 
 class Settings(BaseSettings, EngineOptions):

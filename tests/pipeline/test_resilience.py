@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
 import shutil
 import signal
@@ -28,11 +29,11 @@ from pipeline.broker import Broker, embedded_broker, free_port
 from pipeline.client import collect_answers, publish_documents
 from pipeline.kafka import ensure_topics, wait_for_broker
 from pipeline.service import Service, running
-from pipeline.settings import Settings, load_settings
+from pipeline.settings import Settings, child_env, load_settings
 from pipeline.telemetry import Telemetry
 from schemas import AnalysisEvent, DocumentEvent, DocumentKind
 from tests.pipeline.fakes import ScriptedEngine
-from tests.pipeline.test_service import ROOT, _settings_env
+from tests.pipeline.test_service import ROOT
 
 pytestmark = pytest.mark.integration
 OPENSSL = shutil.which("openssl") or ""
@@ -195,7 +196,7 @@ async def worker_process(settings: Settings, **env: str) -> AsyncIterator[Worker
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "tests.pipeline.worker",
         cwd=ROOT,
-        env=_settings_env(settings) | {"PYTHONPATH": str(ROOT)} | env,
+        env=child_env(settings, os.environ) | {"PYTHONPATH": str(ROOT)} | env,
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip

@@ -25,7 +25,7 @@ from pipeline.client import Sent, collect_answers, publish_documents, publish_ra
 from pipeline.http import serve_status
 from pipeline.kafka import ensure_topics, make_consumer
 from pipeline.service import Service, label_policy, running
-from pipeline.settings import Settings, as_env
+from pipeline.settings import Settings, child_env
 from pipeline.telemetry import Telemetry
 from schemas import AnalysisEvent, DeadLetter, DeadLetterReason, DocumentEvent, DocumentKind, Language
 from tests.deploy.promql import SCRAPE_SERIES, TARGET_LABELS, queries, reads
@@ -153,14 +153,6 @@ def _sent_of(letter: AnalysisEvent | DeadLetter) -> Sent:
     return Sent("", source.topic, source.partition, source.offset, letter.event_id)
 
 
-def _settings_env(settings: Settings) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "TOPIC_", "DYNAMIC_", "MAX_"))}
-    for name, value in settings.model_dump().items():
-        if value is not None and not isinstance(value, dict | list):
-            env[name.upper()] = as_env(value)
-    return env
-
-
 async def test_two_workers_one_killed_mid_batch_lose_nothing(settings: Settings) -> None:
     """Pipeline delivery under a crash, so the analyser is the fast stand-in (`ScriptedEngine`):
     two worker processes share the group's partitions, one is SIGKILLed mid-batch (no drain, no
@@ -170,7 +162,7 @@ async def test_two_workers_one_killed_mid_batch_lose_nothing(settings: Settings)
     await ensure_topics(settings)
     sent = await publish_documents(settings, good_documents(200))
     expected = {s.event_id for s in sent}
-    env = _settings_env(settings) | {"SCRIPTED_DELAY_S": "0.2", "PYTHONPATH": str(ROOT)}
+    env = child_env(settings, os.environ) | {"SCRIPTED_DELAY_S": "0.2", "PYTHONPATH": str(ROOT)}
     workers = [
         subprocess.Popen([sys.executable, "-m", "tests.pipeline.worker"], cwd=ROOT, env=env) for _ in range(2)
     ]
@@ -216,7 +208,11 @@ async def test_workers_option_runs_a_group_of_processes_that_stop_cleanly(settin
         "import asyncio, sys; from pipeline.workers import supervise; "
         "sys.exit(asyncio.run(supervise(2, [sys.executable, '-m', 'tests.pipeline.worker'])))"
     )
-    env = _settings_env(settings) | {"SCRIPTED_DELAY_S": "0.05", "PYTHONPATH": str(ROOT), "STATUS_PORT": "0"}
+    env = child_env(settings, os.environ) | {
+        "SCRIPTED_DELAY_S": "0.05",
+        "PYTHONPATH": str(ROOT),
+        "STATUS_PORT": "0",
+    }
     supervisor = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env)
     try:
         answers = await collect_answers(settings, {s.event_id for s in sent}, timeout_s=90)

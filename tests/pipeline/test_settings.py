@@ -1,10 +1,11 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-from pipeline.settings import SettingsError, as_env, load_settings, unknown_variables
+from pipeline.settings import SettingsError, as_env, child_env, load_settings, unknown_variables
 
 
 def test_reads_the_articles_switches_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -99,3 +100,19 @@ def test_settings_written_as_environment_variables_read_back_the_same(
     assert (again.kv_int8_layers, again.http_allowed_hosts) == ((9, 11), ("a.example.com", "b.example.com"))
     monkeypatch.setenv("KV_INT8_LAYERS", as_env(()))
     assert load_settings().kv_int8_layers == ()
+
+
+def test_a_child_given_child_env_loads_exactly_the_parents_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the tests' and benchmarks' workers start with: every setting, a secret in clear, and
+    the parent's own variable for a setting replaced, not kept beside it."""
+    monkeypatch.setenv("KV_INT8_LAYERS", "9,11")
+    monkeypatch.setenv("KAFKA_SASL_PASSWORD", "s3cret")
+    settings = load_settings(max_batch_size=3)
+    env = child_env(settings, {"MAX_BATCH_SIZE": "7", "HOME": "/home/x"})
+    secret = "s3cret"  # noqa: S105 - a test value
+    assert (env["MAX_BATCH_SIZE"], env["HOME"], env["KAFKA_SASL_PASSWORD"]) == ("3", "/home/x", secret)
+    for name in list(os.environ):
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert load_settings() == settings

@@ -5,6 +5,7 @@ partition was taken over (a zombie) cannot commit; answers and offsets move toge
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
@@ -20,14 +21,13 @@ from pipeline.codec import RawRecord, dead_letter
 from pipeline.kafka import client_options, ensure_topics
 from pipeline.kafka_broker import run_tool, unavailable_reason
 from pipeline.service import Service, running
-from pipeline.settings import Settings
+from pipeline.settings import Settings, child_env
 from pipeline.telemetry import Telemetry
 from pipeline.transactions import TransactionalOutbox
 from schemas import AnalysisEvent, DeadLetter, DeadLetterReason
 from tests.pipeline.fakes import ScriptedEngine
 from tests.pipeline.test_service import (
     ROOT,
-    _settings_env,
     committed_offsets,
     good_documents,
     partition_ends,
@@ -131,7 +131,7 @@ async def test_worker_killed_three_times_mid_batch_no_duplicate_for_read_committ
     await ensure_topics(settings)
     sent = await publish_documents(settings, good_documents(240))
     expected = {s.event_id for s in sent}
-    env = _settings_env(settings) | {"SCRIPTED_DELAY_S": "0.1", "PYTHONPATH": str(ROOT)}
+    env = child_env(settings, os.environ) | {"SCRIPTED_DELAY_S": "0.1", "PYTHONPATH": str(ROOT)}
 
     def start() -> subprocess.Popen[bytes]:
         return subprocess.Popen([sys.executable, "-m", "tests.pipeline.worker"], cwd=ROOT, env=env)
