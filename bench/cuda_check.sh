@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The prepared GPU run, one command on the device host (under 10 minutes; not yet run on a GPU):
+# The prepared GPU run, one command on the device host (under 10 minutes; first run on an H200
+# on 2026-12-04 in 266 s, results in bench/results/cuda/):
 #   bash bench/cuda_prepare.sh            # here, once: wheels and tokenizer into .cuda/
 #   device run, carry [".cuda"]: bash bench/cuda_check.sh
 # 1. exactness on CUDA: the engine's end-to-end tests on tiny fp32 models (batched = alone,

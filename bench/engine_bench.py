@@ -65,7 +65,7 @@ from bench.engine_variants import (
 from bench.random_model import SHAPES, build_random
 from engine import EngineConfig
 from engine.linear import PackedLinear
-from engine.loader import LoadedModel, load_model, select_device
+from engine.loader import LoadedModel, load_model, select_device, select_dtype
 
 
 def _median(values: list[float]) -> float:
@@ -191,8 +191,9 @@ def main() -> None:
         report(args, runs, isolation, console)
         return
     if args.random_shape:
+        device = select_device("auto")
         loaded = build_random(
-            args.random_shape, args.tokenizer, select_device("auto"), getattr(torch, args.dtype), args.layers
+            args.random_shape, args.tokenizer, device, select_dtype(args.dtype, device), args.layers
         )
     else:  # a run of unpacked variants alone (a child) loads the model unpacked
         loaded = load_model(

@@ -175,6 +175,9 @@ def hf_generate_batch(loaded: LoadedModel, prompts: list[list[int]], n: int) -> 
     from transformers import GenerationConfig
 
     model, tok = loaded.model, loaded.tokenizer
+    # an engine that ran on this model before left its own attention function, which generate_batch
+    # refuses (seen on the GPU run of 2026-12-04 when no hf_generate run came between)
+    model.set_attn_implementation("sdpa")
     config = GenerationConfig(
         max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,

@@ -3,19 +3,22 @@
 `bench.kv_quality` measures a profile the engine runs, with analyses, on the whole corpus: hours on
 this CPU. This program answers a narrower question fast: how much does a candidate format disturb
 the model's next-token distributions? On evenly spaced documents of bench/data/kv-corpus.jsonl the
-model (transformers, bf16) reads the narrative prompt in 192-token chunks and then teacher-forces
+model (transformers, bf16 unless --dtype says otherwise) reads the narrative prompt in 192-token chunks and then teacher-forces
 its own greedy continuation (--tf-tokens) in 16-token steps; after every step the blocks the
-engine would have moved to cold storage (whole 16-token blocks past the first, older than the
+engine would have moved to cold storage (whole 16-token blocks past the sink blocks, older than the
 residual window) are quantised and dequantised in place, once each, with the engine's own
 `quantize_keys` / `quantize_values` (keys per channel over a block, values per token). Every
 format's logits are compared with the same run unquantised: mean next-token KL over the whole
 vocabulary and top-1 agreement. `floor` reads the prompt in 128-token chunks instead, unquantised:
-what bf16 rounding alone gives, the bar's reference.
+what rounding alone gives, the bar's reference.
 
 A format sets bits for keys and values (8, 4, or none: full precision) per layer, optional
-Hadamard rotation of keys and/or values before quantising, and the residual window. Bytes per
-token are the cold blocks' exact bytes (codes, scales, offsets) over bf16's, without the sink
-block and the window (which `bench.kv_quality` counts: +0.03-0.04 at ~1,200-token prompts).
+Hadamard rotation of keys and/or values before quantising, the residual window, the sink blocks,
+and optionally a value range chosen by least squared error instead of min-max (`value_clips`: not
+yet a quantiser the engine has; the same bytes). Bytes per token are given twice: the cold blocks' exact bytes (codes, scales, offsets)
+over bf16's, and "counted" as `bench.kv_quality` counts a sequence's blocks at its last step (the
+sink blocks, the window and the block being written at full precision; median over the documents,
+prompt and continuation).
 No engine kernel is exercised: a format found here is built, then measured by `bench.kv_quality`.
 
     python -m bench.kv_formats --docs 12 --out bench/results/kv-formats-cpu.json
@@ -37,11 +40,12 @@ from rich.table import Table
 
 from bench import common
 from engine.kv_quant import QuantFormat, hadamard, quantize_keys, quantize_values, unpack
+from engine.loader import select_dtype
 
 CORPUS = Path(__file__).with_name("data") / "kv-corpus.jsonl"
 BLOCK = 16  # the engine's block size: keys share a scale per channel over one block
 PROMPT_CHUNK = 192  # the engine's tokens per step while it reads a prompt
-SINK_BLOCKS = 1
+SINK_BLOCKS = 1  # the engine's default: KV_SINK_TOKENS=4, rounded up to a block
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,11 @@ class Format:
     prompt_chunk: int = PROMPT_CHUNK
     key_blocks: int = 1  # blocks that share the keys' scales (quantised once all of them are cold)
     layer_key_blocks: dict[int, int] = field(default_factory=dict)  # layer -> its own key_blocks
+    sink_blocks: int = SINK_BLOCKS  # first blocks kept full precision
+    # Ranges tried per group of values (a token's channels), shrunk about their middle by each
+    # ratio, the one with the least squared error kept: same bytes, more work when storing only.
+    # Empty: the engine's min-max range.
+    value_clips: tuple[float, ...] = ()
 
     def bits(self, layer: int) -> tuple[int | None, int | None]:
         return self.layer_bits.get(layer, (self.key_bits, self.value_bits))
@@ -63,6 +72,8 @@ class Format:
     def key_group(self, layer: int) -> int:
         return self.layer_key_blocks.get(layer, self.key_blocks)
 
+
+CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
 
 # The most sensitive layers of the 0.5B default (one layer quantised to int4 at a time, 6 documents:
 # 16, 11, 9, 13, 21 raise KL most; the rest sit at the floor).
@@ -97,6 +108,22 @@ FORMATS: dict[str, Format] = {
         key_blocks=2,
         layer_key_blocks=dict.fromkeys(SENSITIVE, 1),
     ),
+    # What the engine holds at full precision besides cold blocks: the sink block, the window, the
+    # block being written (~0.04 of the bytes at ~1,000-token documents). Shorter windows, no sink.
+    "int4+int8@5layers-w16": Format(layer_bits={layer: (8, 8) for layer in SENSITIVE}, residual=16),
+    "int4+int8@5layers-w0": Format(layer_bits={layer: (8, 8) for layer in SENSITIVE}, residual=0),
+    "int4+int8@5layers-nosink": Format(layer_bits={layer: (8, 8) for layer in SENSITIVE}, sink_blocks=0),
+    "int4+int8@5layers-w0-nosink": Format(
+        layer_bits={layer: (8, 8) for layer in SENSITIVE}, residual=0, sink_blocks=0
+    ),
+    "int4-w0-nosink": Format(residual=0, sink_blocks=0),
+    # A better quantiser at the same bytes: the value range chosen by least squared error.
+    "int4+int8@5layers-w0-vclip": Format(
+        layer_bits={layer: (8, 8) for layer in SENSITIVE}, residual=0, value_clips=CLIPS
+    ),
+    "int4+int8@5layers-w0-nosink-vclip": Format(
+        layer_bits={layer: (8, 8) for layer in SENSITIVE}, residual=0, sink_blocks=0, value_clips=CLIPS
+    ),
 }
 
 
@@ -116,6 +143,19 @@ def bytes_ratio(fmt: Format, layers: int, head_dim: int, dtype_bytes: int = 2) -
     return total / (layers * full)
 
 
+def counted_ratio(fmt: Format, layers: int, head_dim: int, tokens: int) -> float:
+    """Bytes per token over full precision's of one sequence of `tokens`, counted as
+    `bench.kv_quality` counts the engine's blocks at its last step: whole blocks, the sink blocks,
+    the window and the block being written at full precision, every other block at the cold
+    format's bytes (keys sharing scales over several blocks counted as cold)."""
+    if not fmt.quantise:
+        return -(-tokens // BLOCK) * BLOCK / tokens
+    blocks = -(-tokens // BLOCK)
+    cold = max(0, min(blocks, (tokens - fmt.residual) // BLOCK) - fmt.sink_blocks)
+    held = cold * bytes_ratio(fmt, layers, head_dim) + (blocks - cold)
+    return held * BLOCK / tokens
+
+
 def _part(bits: int | None, head_dim: int, dtype_bytes: int, scales: float) -> float:
     return head_dim * dtype_bytes if bits is None else QuantFormat(bits).code_dim(head_dim) + scales
 
@@ -124,9 +164,29 @@ def head_size(config: Any) -> int:
     return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
 
 
+def clipped_round_trip(x: torch.Tensor, bits: int, clips: tuple[float, ...]) -> torch.Tensor:
+    """x (..., D) quantised per row (a token's channels, as values are) and dequantised, each row's
+    range shrunk about its middle by whichever of `clips` gives the least squared error (codes
+    clamp to the range); with clips (1.0,), the engine's min-max quantiser."""
+    work, levels = x.float(), (1 << bits) - 1
+    low, high = work.amin(-1, keepdim=True), work.amax(-1, keepdim=True)
+    middle, half = (low + high) / 2, (high - low) / 2
+    best, best_error = work, torch.full_like(middle, float("inf"))
+    for ratio in clips:
+        start = middle - half * ratio
+        scale = 2 * half * ratio / levels
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        codes = torch.round((work - start) / scale).clamp_(0, levels)
+        out = codes * scale.to(x.dtype).float() + start.to(x.dtype).float()  # stored in the cache's dtype
+        error = (out - work).square().sum(-1, keepdim=True)
+        better = error < best_error
+        best, best_error = torch.where(better, out, best), torch.where(better, error, best_error)
+    return best.to(x.dtype)
+
+
 def fake_quantise(
     keys: torch.Tensor, values: torch.Tensor, key_bits: int | None, value_bits: int | None,
-    rotation: tuple[torch.Tensor | None, torch.Tensor | None],
+    rotation: tuple[torch.Tensor | None, torch.Tensor | None], value_clips: tuple[float, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """One block's keys and values (block, KV heads, head_dim) as the engine's cold store gives
     them back: (rotated,) quantised by `quantize_keys` / `quantize_values`, dequantised (and
@@ -145,7 +205,11 @@ def fake_quantise(
 
     if key_bits is not None:
         keys = round_trip(keys, key_bits, rotation[0], per_channel=True)
-    if value_bits is not None:
+    if value_bits is not None and value_clips:
+        if rotation[1] is not None:
+            raise ValueError("clipped values are not rotated here")
+        values = clipped_round_trip(values, value_bits, value_clips)
+    elif value_bits is not None:
         values = round_trip(values, value_bits, rotation[1], per_channel=False)
     return keys, values
 
@@ -160,8 +224,8 @@ def logprobs(model: Any, ids: torch.Tensor, prompt_len: int, fmt: Format) -> tor
     steps = [(a, min(a + fmt.prompt_chunk, prompt_len)) for a in range(0, prompt_len, fmt.prompt_chunk)]
     steps += [(a, min(a + BLOCK, len(ids))) for a in range(prompt_len, len(ids), BLOCK)]
     cache, rows = DynamicCache(), []
-    cold_values = SINK_BLOCKS  # the first block not yet quantised: values, then each layer's keys
-    cold_keys = [SINK_BLOCKS] * model.config.num_hidden_layers
+    cold_values = fmt.sink_blocks  # the first block not yet quantised: values, then each layer's keys
+    cold_keys = [fmt.sink_blocks] * model.config.num_hidden_layers
     with torch.inference_mode():
         for start, end in steps:
             logits = model(input_ids=ids[None, start:end], cache=cache, use_cache=True).logits[0]
@@ -197,7 +261,7 @@ def _requantise(
         if keys:
             part, _ = fake_quantise(part, part, key_bits, None, rotation)
         else:
-            _, part = fake_quantise(part, part, None, value_bits, rotation)
+            _, part = fake_quantise(part, part, None, value_bits, rotation, fmt.value_clips)
         tensor[0, :, span] = part.transpose(0, 1)
 
 
@@ -205,6 +269,7 @@ def _requantise(
 class Result:
     format: str
     bytes_ratio: float
+    counted_ratio: float  # median over the documents: sink, window and the block being written too
     kl_mean: float
     kl_per_doc: list[float]
     top1: float
@@ -239,6 +304,11 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=12, help="evenly spaced documents of the corpus")
     parser.add_argument("--tf-tokens", type=int, default=128)
     parser.add_argument("--out", type=Path, default=Path("bench/results/kv-formats.json"))
+    parser.add_argument(
+        "--dtype", choices=("auto", "bfloat16", "float32"), default="bfloat16",
+        help="the model's and the cache's; auto: the engine's choice (fp32 on a CPU without native bf16, "
+        "where bf16 products are several times slower)",
+    )  # fmt: skip
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -248,8 +318,9 @@ def main() -> None:
     args.model = common.model_path(args.model)
     names = common.names(parser, args.formats, FORMATS)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
+    args.dtype = str(select_dtype(args.dtype, torch.device("cpu"))).removeprefix("torch.")
     model: Any = AutoModelForCausalLM.from_pretrained(
-        args.model, dtype=torch.bfloat16, attn_implementation="sdpa"
+        args.model, dtype=getattr(torch, args.dtype), attn_implementation="sdpa"
     )
     model.eval()
     docs = load_corpus(args.docs)
@@ -265,15 +336,22 @@ def main() -> None:
             test = logprobs(model, ids, n, fmt)
             kls.append(float((ref.exp() * (ref - test)).sum(-1).mean()))
             top1.append(float((ref.argmax(-1) == test.argmax(-1)).float().mean()))
-        results.append(Result(name, bytes_ratio(fmt, layers, head_dim), statistics.mean(kls), kls,
+        counted = statistics.median(counted_ratio(fmt, layers, head_dim, len(ids)) for ids, _ in seqs)
+        results.append(Result(name, bytes_ratio(fmt, layers, head_dim), counted, statistics.mean(kls), kls,
                               statistics.mean(top1), time.perf_counter() - began, asdict(fmt)))  # fmt: skip
-        console.print(f"{name}: KL {results[-1].kl_mean:.5f}, bytes {results[-1].bytes_ratio:.3f}")
+        console.print(f"{name}: KL {results[-1].kl_mean:.5f}, bytes {results[-1].bytes_ratio:.3f} cold, "
+                      f"{counted:.3f} counted")  # fmt: skip
         write(args, docs, results)
-    table = Table("format", "cold bytes/token vs bf16", "KL mean", "top-1", "s",
+    table = Table("format", "cold bytes/token vs bf16", "counted", "KL mean", "top-1", "s",
                   title=f"KV formats by fake quantisation, {len(docs)} documents x {args.tf_tokens} tokens")  # fmt: skip
     for r in results:
         table.add_row(
-            r.format, f"{r.bytes_ratio:.3f}", f"{r.kl_mean:.5f}", f"{r.top1:.4f}", f"{r.seconds:.0f}"
+            r.format,
+            f"{r.bytes_ratio:.3f}",
+            f"{r.counted_ratio:.3f}",
+            f"{r.kl_mean:.5f}",
+            f"{r.top1:.4f}",
+            f"{r.seconds:.0f}",
         )
     console.print(table)
     console.print(f"wrote {args.out}")

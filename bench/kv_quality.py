@@ -77,6 +77,20 @@ PROFILES: dict[str, dict[str, Any]] = {
         "kv_int8_layers": SENSITIVE,
         "kv_residual_tokens": 16,
     },
+    # Only the block being written at full precision (no window), with and without the sink block.
+    "int4+int8@5-w0": {
+        "kv_compression": True,
+        "kv_quant_bits": 4,
+        "kv_int8_layers": SENSITIVE,
+        "kv_residual_tokens": 0,
+    },
+    "int4+int8@5-w0-nosink": {
+        "kv_compression": True,
+        "kv_quant_bits": 4,
+        "kv_int8_layers": SENSITIVE,
+        "kv_residual_tokens": 0,
+        "kv_sink_tokens": 0,
+    },
     "int4+prune-0.7": {"kv_compression": True, "kv_quant_bits": 4, "kv_keep_ratio": 0.7},
     "int8+prune-0.4": {"kv_compression": True, "kv_quant_bits": 8, "kv_keep_ratio": 0.4},
     "aggressive-int4+prune-0.35-w16": {

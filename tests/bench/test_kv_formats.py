@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.kv_formats import Format, bytes_ratio, fake_quantise, logprobs
+from bench.kv_formats import (
+    CLIPS,
+    Format,
+    bytes_ratio,
+    clipped_round_trip,
+    counted_ratio,
+    fake_quantise,
+    logprobs,
+)
 from engine.kv_cache import ColdStore, KVShape
 from engine.kv_quant import QuantFormat, hadamard
 from engine.tiny import build_tiny
@@ -56,3 +64,32 @@ def test_key_scales_shared_by_two_blocks_halve_the_keys_scale_bytes() -> None:
     one, two = bytes_ratio(Format(), layers, head_dim), bytes_ratio(Format(key_blocks=2), layers, head_dim)
     # a scale and an offset (bf16) per channel: 4 * head_dim bytes per 16 tokens, now per 32
     assert one - two == pytest.approx((4 * head_dim / 32) / (4 * head_dim))
+
+
+def test_counted_bytes_hold_the_sink_the_window_and_the_block_being_written_at_full_precision() -> None:
+    """100 tokens in 16-token blocks: 7 blocks, the last one partial."""
+    cold = bytes_ratio(Format(), 24, 64)
+    # window 32: blocks 4.. hold tokens 68 onwards or are being written; block 0 is the sink
+    assert counted_ratio(Format(), 24, 64, 100) == pytest.approx((3 * cold + 4) * 16 / 100)
+    # no window, no sink: only the partial block stays full precision
+    assert counted_ratio(Format(residual=0, sink_blocks=0), 24, 64, 100) == pytest.approx(
+        (6 * cold + 1) * 16 / 100
+    )
+    assert counted_ratio(Format(residual=0, sink_blocks=0), 24, 64, 96) == pytest.approx(cold)
+    assert counted_ratio(Format(residual=64), 24, 64, 40) == pytest.approx(48 / 40)  # all hot, whole blocks
+    assert counted_ratio(Format(quantise=False), 24, 64, 100) == pytest.approx(112 / 100)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_clipped_value_range_is_min_max_at_ratio_one_and_never_worse_with_more_ratios(bits: int) -> None:
+    torch.manual_seed(0)
+    values = torch.randn(16, 2, 64) * torch.rand(16, 2, 1) * 3  # (tokens, KV heads, channels)
+    values[3, 1, 7] = 25.0  # one token's outlier channel
+    _, engine = fake_quantise(values, values, None, bits, (None, None))
+    torch.testing.assert_close(clipped_round_trip(values, bits, (1.0,)), engine, rtol=0, atol=1e-5)
+    searched = clipped_round_trip(values, bits, CLIPS)
+    plain_error = (engine - values).square().sum(-1)
+    searched_error = (searched - values).square().sum(-1)
+    assert bool((searched_error <= plain_error * (1 + 1e-4) + 1e-6).all())  # 1.0 is among the ratios
+    if bits == 4:  # 15 levels for a row with an outlier: a narrower range pays
+        assert float(searched_error.sum()) < 0.95 * float(plain_error.sum())

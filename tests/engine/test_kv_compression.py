@@ -348,6 +348,20 @@ async def test_compressed_engine_holds_fewer_bytes_and_agrees_with_uncompressed(
     assert agree / sum(map(len, plain)) >= 0.95
 
 
+async def test_with_no_window_and_no_sink_only_the_block_being_written_stays_full_precision(
+    tiny: LoadedModel,
+) -> None:
+    """KV_RESIDUAL_TOKENS=0 KV_SINK_TOKENS=0: every full block is quantised at the next step, so
+    fewer bytes are held than with a window and a sink, and int8 still agrees with uncompressed."""
+    plain, _ = await run(tiny)
+    base = {"kv_compression": True, "kv_quant_bits": 8}
+    _, with_window = await run(tiny, **base, kv_residual_tokens=8, kv_sink_tokens=4)
+    bare, without = await run(tiny, **base, kv_residual_tokens=0, kv_sink_tokens=0)
+    assert min(without) < min(with_window)
+    agree = sum(a == b for x, y in zip(plain, bare, strict=True) for a, b in zip(x, y, strict=True))
+    assert agree / sum(map(len, plain)) >= 0.95
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 async def test_the_native_and_torch_readers_generate_the_same_tokens(tiny: LoadedModel, bits: int) -> None:
     """On CPU the engine reads quantised blocks with the C kernel unless told otherwise; both

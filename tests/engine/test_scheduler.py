@@ -85,10 +85,13 @@ def test_a_shared_prefix_block_moves_to_quantised_storage_once_out_of_every_shar
         loop.close()
 
 
-@pytest.mark.parametrize("cold", [0, 48])
+@pytest.mark.parametrize(("cold", "window", "sinks"), [(0, 8, 1), (48, 8, 1), (48, 0, 0)])
 @pytest.mark.parametrize("seed", range(3))
-def test_random_load_with_cancellations_pool_exhaustion_and_shared_prefixes(seed: int, cold: int) -> None:
-    """With `cold` quantised blocks, full blocks also move there once out of the recent window."""
+def test_random_load_with_cancellations_pool_exhaustion_and_shared_prefixes(
+    seed: int, cold: int, window: int, sinks: int
+) -> None:
+    """With `cold` quantised blocks, full blocks also move there once out of the recent window of
+    `window` tokens, past `sinks` sink blocks (none and none: every full block, at once)."""
     rng = random.Random(seed)
     loop = asyncio.new_event_loop()
     try:
@@ -98,7 +101,9 @@ def test_random_load_with_cancellations_pool_exhaustion_and_shared_prefixes(seed
         settled = settled_shared = 0
         config = SchedulerConfig(max_running=rng.choice([1, 4, 8]), max_tokens_per_step=rng.choice([16, 64]))
         scheduler = Scheduler(config, blocks)
-        compression = CompressionConfig(quantising=True, residual_tokens=8, sink_tokens=block_size)
+        compression = CompressionConfig(
+            quantising=True, residual_tokens=window, sink_tokens=sinks * block_size
+        )
         compressor = Compressor(compression, blocks, str)
         # Prompts start with one of three instructions (or part of one), then their own tokens.
         instructions = [[rng.randrange(50) for _ in range(rng.randint(10, 60))] for _ in range(3)]
@@ -183,7 +188,7 @@ def test_random_load_with_cancellations_pool_exhaustion_and_shared_prefixes(seed
             assert settled_shared > 0
         assert list(finished.values()).count("done") > 500
         assert blocks.num_cache_hits > 100, "shared prefixes should have been reused"
-        if config.max_running > 1:
+        if config.max_running > 1 and window:  # with none, every full block leaves the pool at once
             assert scheduler.num_preemptions > 0, "the pool should have run out at some point"
     finally:
         loop.close()
