@@ -3,8 +3,8 @@
 `bench.kv_quality` measures a profile the engine runs, with analyses, on the whole corpus: hours on
 this CPU. This program answers a narrower question fast: how much does a candidate format disturb
 the model's next-token distributions? On evenly spaced documents of bench/data/kv-corpus.jsonl the
-model (transformers, bf16 unless --dtype says otherwise) reads the narrative prompt in 192-token chunks and then teacher-forces
-its own greedy continuation (--tf-tokens) in 16-token steps; after every step the blocks the
+model (transformers, bf16 unless --dtype says otherwise) reads the narrative prompt in 192-token
+chunks and then teacher-forces its own greedy continuation (--tf-tokens) in 16-token steps; after every step the blocks the
 engine would have moved to cold storage (whole 16-token blocks past the sink blocks, older than the
 residual window) are quantised and dequantised in place, once each, with the engine's own
 `quantize_keys` / `quantize_values` (keys per channel over a block, values per token). Every
@@ -15,8 +15,8 @@ what rounding alone gives, the bar's reference.
 A format sets bits for keys and values (8, 4, or none: full precision) per layer, optional
 Hadamard rotation of keys and/or values before quantising, the residual window, the sink blocks,
 and optionally a value range chosen by least squared error instead of min-max (`value_clips`: not
-yet a quantiser the engine has; the same bytes). Bytes per token are given twice: the cold blocks' exact bytes (codes, scales, offsets)
-over bf16's, and "counted" as `bench.kv_quality` counts a sequence's blocks at its last step (the
+yet a quantiser the engine has; the same bytes). Bytes per token are given twice: the cold blocks'
+exact bytes (codes, scales, offsets) over bf16's, and "counted" as `bench.kv_quality` counts a sequence's blocks at its last step (the
 sink blocks, the window and the block being written at full precision; median over the documents,
 prompt and continuation).
 No engine kernel is exercised: a format found here is built, then measured by `bench.kv_quality`.
@@ -30,7 +30,7 @@ import json
 import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -79,6 +79,9 @@ CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
 # 16, 11, 9, 13, 21 raise KL most; the rest sit at the floor).
 SENSITIVE = (9, 11, 13, 16, 21)
 
+# int4, but int8 in the sensitive layers: the engine's KV_QUANT_BITS=4 KV_INT8_LAYERS=9,11,13,16,21
+MIXED = Format(layer_bits={layer: (8, 8) for layer in SENSITIVE})
+
 FORMATS: dict[str, Format] = {
     "floor": Format(quantise=False, prompt_chunk=128),
     "int8": Format(key_bits=8, value_bits=8),
@@ -90,7 +93,7 @@ FORMATS: dict[str, Format] = {
     "k8v4": Format(key_bits=8),
     "int4-window64": Format(residual=64),
     "int4+int8@3layers": Format(layer_bits={layer: (8, 8) for layer in (9, 11, 16)}),
-    "int4+int8@5layers": Format(layer_bits={layer: (8, 8) for layer in SENSITIVE}),
+    "int4+int8@5layers": MIXED,
     "int4+k8@5layers": Format(layer_bits={layer: (8, 4) for layer in SENSITIVE}),
     "int4+k8@5layers+v8@2": Format(
         layer_bits={layer: (8, 8) if layer in (11, 16) else (8, 4) for layer in SENSITIVE}
@@ -98,32 +101,22 @@ FORMATS: dict[str, Format] = {
     # Key scales over 32 or 64 tokens instead of 16: a fifth of int4's key bytes are scales.
     "int4-keys32": Format(key_blocks=2),
     "int4-keys64": Format(key_blocks=4),
-    "int4+int8@5layers-keys32": Format(layer_bits={layer: (8, 8) for layer in SENSITIVE}, key_blocks=2),
+    "int4+int8@5layers-keys32": replace(MIXED, key_blocks=2),
     "int4+k8@5layers+v8@2-keys32": Format(
         layer_bits={layer: (8, 8) if layer in (11, 16) else (8, 4) for layer in SENSITIVE}, key_blocks=2
     ),
     # 32-token key scales only where int4 costs little; the sensitive layers int8 with 16-token ones.
-    "int4-keys32+int8@5layers": Format(
-        layer_bits={layer: (8, 8) for layer in SENSITIVE},
-        key_blocks=2,
-        layer_key_blocks=dict.fromkeys(SENSITIVE, 1),
-    ),
+    "int4-keys32+int8@5layers": replace(MIXED, key_blocks=2, layer_key_blocks=dict.fromkeys(SENSITIVE, 1)),
     # What the engine holds at full precision besides cold blocks: the sink block, the window, the
     # block being written (~0.04 of the bytes at ~1,000-token documents). Shorter windows, no sink.
-    "int4+int8@5layers-w16": Format(layer_bits={layer: (8, 8) for layer in SENSITIVE}, residual=16),
-    "int4+int8@5layers-w0": Format(layer_bits={layer: (8, 8) for layer in SENSITIVE}, residual=0),
-    "int4+int8@5layers-nosink": Format(layer_bits={layer: (8, 8) for layer in SENSITIVE}, sink_blocks=0),
-    "int4+int8@5layers-w0-nosink": Format(
-        layer_bits={layer: (8, 8) for layer in SENSITIVE}, residual=0, sink_blocks=0
-    ),
+    "int4+int8@5layers-w16": replace(MIXED, residual=16),
+    "int4+int8@5layers-w0": replace(MIXED, residual=0),
+    "int4+int8@5layers-nosink": replace(MIXED, sink_blocks=0),
+    "int4+int8@5layers-w0-nosink": replace(MIXED, residual=0, sink_blocks=0),
     "int4-w0-nosink": Format(residual=0, sink_blocks=0),
     # A better quantiser at the same bytes: the value range chosen by least squared error.
-    "int4+int8@5layers-w0-vclip": Format(
-        layer_bits={layer: (8, 8) for layer in SENSITIVE}, residual=0, value_clips=CLIPS
-    ),
-    "int4+int8@5layers-w0-nosink-vclip": Format(
-        layer_bits={layer: (8, 8) for layer in SENSITIVE}, residual=0, sink_blocks=0, value_clips=CLIPS
-    ),
+    "int4+int8@5layers-w0-vclip": replace(MIXED, residual=0, value_clips=CLIPS),
+    "int4+int8@5layers-w0-nosink-vclip": replace(MIXED, residual=0, sink_blocks=0, value_clips=CLIPS),
 }
 
 
@@ -148,9 +141,9 @@ def counted_ratio(fmt: Format, layers: int, head_dim: int, tokens: int) -> float
     `bench.kv_quality` counts the engine's blocks at its last step: whole blocks, the sink blocks,
     the window and the block being written at full precision, every other block at the cold
     format's bytes (keys sharing scales over several blocks counted as cold)."""
-    if not fmt.quantise:
-        return -(-tokens // BLOCK) * BLOCK / tokens
     blocks = -(-tokens // BLOCK)
+    if not fmt.quantise:
+        return blocks * BLOCK / tokens
     cold = max(0, min(blocks, (tokens - fmt.residual) // BLOCK) - fmt.sink_blocks)
     held = cold * bytes_ratio(fmt, layers, head_dim) + (blocks - cold)
     return held * BLOCK / tokens

@@ -50,6 +50,10 @@ from schemas import BUILT_IN_KINDS, DocumentKind, Language, Polarity, SourceCoor
 
 CORPUS = Path(__file__).with_name("data") / "kv-corpus.jsonl"
 
+# int4, but int8 in the layers where 4-bit error costs the default model most (ranked one layer at a
+# time by bench.kv_formats: its SENSITIVE); a model with fewer layers refuses it.
+MIXED: dict[str, Any] = {"kv_compression": True, "kv_quant_bits": 4, "kv_int8_layers": SENSITIVE}
+
 PROFILES: dict[str, dict[str, Any]] = {
     "off": {},
     "off-again": {},  # the measurement's own floor: batching order alone, no compression
@@ -68,29 +72,11 @@ PROFILES: dict[str, dict[str, Any]] = {
         "kv_keep_ratio": 0.5,
         "kv_prune_policy": "heuristic",
     },
-    # int4, but int8 in the layers where 4-bit error costs the default model most (ranked one layer
-    # at a time by bench.kv_formats: its SENSITIVE); a model with fewer layers refuses it.
-    "int4+int8@5": {"kv_compression": True, "kv_quant_bits": 4, "kv_int8_layers": SENSITIVE},
-    "int4+int8@5-w16": {
-        "kv_compression": True,
-        "kv_quant_bits": 4,
-        "kv_int8_layers": SENSITIVE,
-        "kv_residual_tokens": 16,
-    },
+    "int4+int8@5": MIXED,
+    "int4+int8@5-w16": MIXED | {"kv_residual_tokens": 16},
     # Only the block being written at full precision (no window), with and without the sink block.
-    "int4+int8@5-w0": {
-        "kv_compression": True,
-        "kv_quant_bits": 4,
-        "kv_int8_layers": SENSITIVE,
-        "kv_residual_tokens": 0,
-    },
-    "int4+int8@5-w0-nosink": {
-        "kv_compression": True,
-        "kv_quant_bits": 4,
-        "kv_int8_layers": SENSITIVE,
-        "kv_residual_tokens": 0,
-        "kv_sink_tokens": 0,
-    },
+    "int4+int8@5-w0": MIXED | {"kv_residual_tokens": 0},
+    "int4+int8@5-w0-nosink": MIXED | {"kv_residual_tokens": 0, "kv_sink_tokens": 0},
     "int4+prune-0.7": {"kv_compression": True, "kv_quant_bits": 4, "kv_keep_ratio": 0.7},
     "int8+prune-0.4": {"kv_compression": True, "kv_quant_bits": 8, "kv_keep_ratio": 0.4},
     "aggressive-int4+prune-0.35-w16": {
