@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import subprocess
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from engine.loader import cpu_flags
 
 if TYPE_CHECKING:
     from engine import Engine
@@ -94,6 +95,6 @@ def stop_process(process: subprocess.Popen[bytes], timeout_s: float) -> None:
 
 def machine() -> dict[str, Any]:
     """The CPU count and the instruction-set features a result depends on."""
-    flags = re.search(r"^flags\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.M)
+    flags = cpu_flags()
     wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "fma")
-    return {"cpus": os.cpu_count(), "cpu_flags": [f for f in wanted if flags and f in flags.group(1).split()]}
+    return {"cpus": os.cpu_count(), "cpu_flags": [f for f in wanted if f in flags]}

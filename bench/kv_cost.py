@@ -10,7 +10,9 @@ The only difference between two runs is how KV blocks are stored and read.
 Profiles: `off`; `int8` and `int4` (quantised blocks read by the native kernel, the engine's
 default on CPU); `int4+int8@5` (int4, the five layers of `bench.kv_formats.SENSITIVE` at int8);
 `int8-torch` and `int4-torch` (the same blocks read by torch alone: what the
-kernel is worth; only when named in --profiles, except int8-torch, which runs by default).
+kernel is worth; only when named in --profiles, except int8-torch, which runs by default);
+`int4+int8@5-avx2` and `-portable`: the kernel built for an older CPU's path (KV_KERNEL=avx2,
+portable), to measure on this CPU what a CPU without AVX-512 reads with.
 This machine's timings vary by several per cent from run to run, so every profile runs in each
 of --rounds rounds, back to back, in an order rotated from round to round; the cost is taken
 within a round (1 - tokens/s over `off`'s tokens/s in that round) and the median round reported,
@@ -44,6 +46,8 @@ PROFILES: dict[str, tuple[int, KVKernel, tuple[int, ...]]] = {
     "int8": (8, "auto", ()),
     "int4": (4, "auto", ()),
     "int4+int8@5": (4, "auto", SENSITIVE),  # bench.kv_quality's profile of that name
+    "int4+int8@5-avx2": (4, "avx2", SENSITIVE),  # the kernel's AVX2 path (CPUs without AVX-512)
+    "int4+int8@5-portable": (4, "portable", SENSITIVE),  # its portable loop (no vector path)
     "int8-torch": (8, "torch", ()),
     "int4-torch": (4, "torch", ()),
 }

@@ -12,7 +12,7 @@ from pydantic_settings import NoDecode
 Device = Literal["auto", "cpu", "cuda"]
 PrunePolicy = Literal["attention", "heuristic"]
 DType = Literal["auto", "bfloat16", "float32"]  # auto: bf16 where computed natively, else fp32
-KVKernel = Literal["auto", "torch"]
+KVKernel = Literal["auto", "torch", "avx2", "portable"]
 
 
 class EngineOptions(BaseModel):
@@ -46,7 +46,9 @@ class EngineOptions(BaseModel):
     kv_prune_policy: PrunePolicy = "attention"  # SnapKV-style scores, or the article's heuristic
     kv_observe_tokens: int = Field(default=32, ge=1, le=1024, description="Observation window when pruning.")
     kv_kernel: KVKernel = Field(
-        default="auto", description="auto: quantised KV blocks read by a C kernel built at start (CPU)."
+        default="auto",
+        description="auto: quantised KV blocks read by a C kernel built at start for this CPU; torch: by "
+        "torch; avx2, portable: the kernel's path for an older CPU (to measure it on a newer one).",
     )
     max_tokens_per_step: int = Field(default=192, ge=1, description="Prefill chunks + decodes per forward.")
     max_model_len: int = Field(

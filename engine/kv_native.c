@@ -18,8 +18,14 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define KV_AVX512 1
+#define KV_AVX2 0
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KV_AVX512 0
+#define KV_AVX2 1
 #else
 #define KV_AVX512 0
+#define KV_AVX2 0
 #endif
 
 typedef struct {
@@ -131,8 +137,76 @@ static void row_avx512(const kv_layer *l, int64_t r, void *out, int64_t o) {
 }
 #endif
 
-/* The instruction set the rows are read with: "avx512-bf16" or "generic". */
-const char *kv_native_isa(void) { return KV_AVX512 ? "avx512-bf16" : "generic"; }
+#if KV_AVX2
+/* Eight floats from float32 or bfloat16 (a bf16 is the top half of a float32). */
+static inline __m256 load8(const void *p, int64_t i, int fp32) {
+    if (fp32)
+        return _mm256_loadu_ps((const float *)p + i);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* Eight floats stored as float32, or as bfloat16 rounded to nearest even like f32_to_bf16. */
+static inline void store8(void *p, int64_t i, __m256 x, int fp32) {
+    if (fp32) {
+        _mm256_storeu_ps((float *)p + i, x);
+        return;
+    }
+    __m256i u = _mm256_castps_si256(x);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)), 16);
+    /* packus works within 128-bit lanes: lanes (lo, hi) give (lo4, lo4', hi4, hi4'); keep 0 and 2 */
+    __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(u, u), 0x08);
+    _mm_storeu_si128((__m128i *)((uint16_t *)p + i), _mm256_castsi256_si128(packed));
+}
+
+/* Eight channels' scale and offset for token t of row r (broadcast when per token). */
+static inline void params8(const kv_layer *l, int64_t r, int64_t t, int64_t d, __m256 *s, __m256 *b) {
+    if (l->per_token) {
+        *s = _mm256_set1_ps(load1(l->scale, r * l->block + t, l->fp32));
+        *b = _mm256_set1_ps(load1(l->offset, r * l->block + t, l->fp32));
+    } else {
+        *s = load8(l->scale, r * l->dim + d, l->fp32);
+        *b = load8(l->offset, r * l->dim + d, l->fp32);
+    }
+}
+
+static inline __m128i load_bytes8(const void *p) {
+    int64_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm_cvtsi64_si128(v);
+}
+
+static void row_avx2(const kv_layer *l, int64_t r, void *out, int64_t o) {
+    __m256 s, b, s2, b2;
+    if (l->bits == 8) {
+        const int8_t *row = (const int8_t *)l->codes + r * l->block * l->dim;
+        for (int64_t t = 0; t < l->block; t++)
+            for (int64_t d = 0; d < l->dim; d += 8) {
+                params8(l, r, t, d, &s, &b);
+                __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load_bytes8(row + t * l->dim + d)));
+                store8(out, o + t * l->dim + d, _mm256_fmadd_ps(x, s, b), l->fp32);
+            }
+        return;
+    }
+    int64_t half = l->dim / 2;
+    const uint8_t *row = (const uint8_t *)l->codes + r * l->block * half;
+    const __m256i nibble = _mm256_set1_epi32(0x0F), centre = _mm256_set1_epi32(8);
+    for (int64_t t = 0; t < l->block; t++)
+        for (int64_t d = 0; d < half; d += 8) {
+            params8(l, r, t, d, &s, &b);
+            params8(l, r, t, d + half, &s2, &b2);
+            __m256i c = _mm256_cvtepu8_epi32(load_bytes8(row + t * half + d));
+            __m256 lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(c, nibble), centre));
+            __m256 hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(c, 4), centre));
+            store8(out, o + t * l->dim + d, _mm256_fmadd_ps(lo, s, b), l->fp32);
+            store8(out, o + t * l->dim + d + half, _mm256_fmadd_ps(hi, s2, b2), l->fp32);
+        }
+}
+#endif
+
+/* The instruction set the rows are read with: "avx512-bf16", "avx2" or "generic". */
+const char *kv_native_isa(void) { return KV_AVX512 ? "avx512-bf16" : KV_AVX2 ? "avx2" : "generic"; }
 
 /* out[i] = row rows[i] of the layer (of num_rows), dequantised: out is [n][block][dim].
  * Returns 0, or -1 (and writes nothing) when a row is out of range or the format is unknown. */
@@ -147,11 +221,18 @@ int kv_dequantize_rows(const void *codes, const void *scale, const void *offset,
     kv_layer l = {codes, scale, offset, bits, per_token, fp32, block, dim};
 #if KV_AVX512
     int fast = dim % (bits == 8 ? 16 : 32) == 0;
+#elif KV_AVX2
+    int fast = dim % (bits == 8 ? 8 : 16) == 0;
 #endif
     for (int64_t i = 0; i < n; i++) {
 #if KV_AVX512
         if (fast) {
             row_avx512(&l, rows[i], out, i * block * dim);
+            continue;
+        }
+#elif KV_AVX2
+        if (fast) {
+            row_avx2(&l, rows[i], out, i * block * dim);
             continue;
         }
 #endif

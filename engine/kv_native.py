@@ -29,7 +29,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kv_native.c")
-FLAGS = ("-O3", "-march=native", "-std=c11", "-shared", "-fPIC")
+FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC")
 DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -40,7 +40,7 @@ class NativeKernelError(RuntimeError):
 @dataclass(frozen=True)
 class NativeKernel:
     library: ctypes.CDLL
-    isa: str  # "avx512-bf16" or "generic": the instruction set the build reads rows with
+    isa: str  # "avx512-bf16", "avx2" or "generic": the instruction set the build reads rows with
 
     def dequantize(
         self,
@@ -82,9 +82,13 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
 
-@functools.cache  # one build per process: the library is read-only once loaded
-def load() -> NativeKernel | None:
-    """The kernel built for this machine, or None (logged once) where it cannot be built."""
+@functools.cache  # one build per process and target: the library is read-only once loaded
+def load(march: str = "native") -> NativeKernel | None:
+    """The kernel built for this machine, or None (logged once) where it cannot be built.
+
+    `march` is the compiler's target; the engine always builds for `native` (this CPU). Another
+    target (`haswell`: AVX2, `x86-64`: the portable loop) lets a test or a benchmark run the
+    paths of a CPU older than this one; a path this CPU lacks would stop the process."""
     compiler = _compiler()
     if compiler is None:
         log.warning("no C compiler (CC, cc or gcc) found: quantised KV blocks are read with torch")
@@ -93,7 +97,7 @@ def load() -> NativeKernel | None:
         target = Path(folder) / "kv_native.so"
         try:
             subprocess.run(  # noqa: S603 - our own source, a compiler found on PATH
-                [compiler, *FLAGS, str(SOURCE), "-o", str(target)],
+                [compiler, *FLAGS, f"-march={march}", str(SOURCE), "-o", str(target)],
                 check=True, capture_output=True, text=True, timeout=120,
             )  # fmt: skip
             library = ctypes.CDLL(str(target))  # mapped now; the file may go with the folder

@@ -30,9 +30,10 @@ import torch.nn.functional as F
 
 from engine import kv_native
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig, PrunePolicy
+from engine.config import EngineConfig, KVKernel, PrunePolicy
 from engine.kv_cache import ColdStore, KVCache, KVShape
 from engine.kv_quant import layer_formats
+from engine.loader import cpu_flags
 from engine.sequence import Sequence
 
 # fmt: off
@@ -248,7 +249,18 @@ def build_cache(config: EngineConfig, shape: KVShape, device: torch.device, max_
         cold = min(cold, usable)
     if not cold:
         return KVCache(shape, hot, size, device)
-    native = config.kv_kernel == "auto" and device.type == "cpu" and shape.dtype in kv_native.DTYPES
-    kernel = kv_native.load() if native else None
+    native = config.kv_kernel != "torch" and device.type == "cpu" and shape.dtype in kv_native.DTYPES
+    kernel = kv_native.load(kernel_target(config.kv_kernel)) if native else None
     cold_store = ColdStore(shape, fmt, cold, size, device, kernel, rotate=config.kv_rotate)
     return KVCache(shape, hot, size, device, cold_store)
+
+
+def kernel_target(kernel: KVKernel) -> str:
+    """The compiler target (`-march`) of a native KV kernel choice; refuses a path this CPU lacks
+    (running it would stop the process on an illegal instruction)."""
+    if kernel in ("auto", "torch"):
+        return "native"
+    needs = {"avx2": {"avx2", "fma"}, "portable": {"sse2"}}[kernel]
+    if not needs <= cpu_flags():
+        raise ValueError(f"KV_KERNEL={kernel} needs a CPU with {', '.join(sorted(needs))}")
+    return {"avx2": "haswell", "portable": "x86-64"}[kernel]

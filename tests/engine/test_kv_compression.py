@@ -12,7 +12,7 @@ from engine import Engine, EngineConfig, SamplingParams, kv_native
 from engine.attention import SeqSlice, decode_attention, group_decodes, window_attention
 from engine.kv_cache import ColdStore, KVCache, KVShape, slots_of
 from engine.kv_native import NativeKernel, NativeKernelError
-from engine.kv_policy import heuristic_scores, select_kept, smooth
+from engine.kv_policy import heuristic_scores, kernel_target, select_kept, smooth
 from engine.kv_quant import (
     QuantFormat,
     centred,
@@ -247,6 +247,67 @@ def test_the_native_kernel_reads_bf16_blocks_as_torch_does(bits: int, head_dim: 
         torch.testing.assert_close(got, expected, rtol=2**-7, atol=1e-6)
 
 
+def runnable_builds() -> list[tuple[str, str]]:
+    """(compiler target, the read path it builds) for every build of the kernel this CPU can run
+    besides its own: on x86, the portable and AVX2 paths of older CPUs (KV_KERNEL=portable, avx2)."""
+    builds = []
+    for choice, isa in (("portable", "generic"), ("avx2", "avx2")):
+        try:
+            builds.append((kernel_target(choice), isa))  # type: ignore[arg-type]
+        except ValueError:  # this CPU lacks the path
+            continue
+    return builds
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 24])  # 24: AVX2 reads 8-bit rows 8 wide, the rest loop
+@pytest.mark.parametrize("bits", [8, 4])
+def test_every_build_of_the_native_kernel_reads_what_dequantising_by_hand_gives(
+    bits: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    """Rows gathered out of order, repeated, from a store of random codes, scales and offsets: each
+    build this CPU can run (its own, and the AVX2 and portable paths it also runs) gives
+    centred code * scale + offset, computed here in fp32 and rounded once to the store's dtype
+    (one fused multiply-add in the kernel: bf16 results may differ by one bf16 step)."""
+    native_kernel()  # skips without a compiler
+    gen = torch.Generator().manual_seed(bits + head_dim)
+    rows_total, block, width = 9, 16, head_dim if bits == 8 else head_dim // 2
+    codes = torch.randint(0, 256, (rows_total, block, width), generator=gen, dtype=torch.uint8)
+    if bits == 8:
+        codes = codes.view(torch.int8)
+    rows = torch.tensor([4, 0, 8, 4, 2, 7])
+    for per_token in (False, True):
+        params = (rows_total, block if per_token else head_dim)
+        scale = (torch.rand(params, generator=gen) * 0.1).to(dtype)
+        offset = torch.randn(params, generator=gen).to(dtype)
+        # 8-bit codes are stored centred; 4-bit ones packed, two to a byte
+        centred_codes = (codes if bits == 8 else centred(codes, QuantFormat(4))).float()[rows]
+        s, b = (p.float()[rows].unsqueeze(2 if per_token else 1) for p in (scale, offset))
+        expected = (centred_codes * s + b).to(dtype)
+        for march, isa in [("native", ""), *runnable_builds()]:
+            kernel = kv_native.load(march)
+            assert kernel is not None, f"the kernel did not build for -march={march}"
+            assert not isa or kernel.isa == isa
+            got = kernel.dequantize(codes, scale, offset, rows, bits, per_token)
+            assert got.dtype == dtype and got.shape == (6, block, head_dim)
+            step = 2**-7 if dtype == torch.bfloat16 else 1e-6
+            torch.testing.assert_close(got, expected, rtol=step, atol=1e-6, msg=f"{march} ({kernel.isa})")
+
+
+def test_every_build_rounds_bf16_halfway_values_to_even_as_torch_does() -> None:
+    """1 + k/256 lies halfway between two bf16 neighbours for odd k: read as centred code k with a
+    scale of 1/256 and an offset of 1, every build must give torch's rounding, to the bit."""
+    native_kernel()
+    codes = torch.arange(-8, 8, dtype=torch.int8).repeat(16, 1)[None].repeat(1, 1, 4)  # (1, 16, 64)
+    scale, offset = torch.full((1, 16), 2**-8, dtype=torch.bfloat16), torch.ones(1, 16, dtype=torch.bfloat16)
+    expected = (codes[0].float() * 2**-8 + 1).to(torch.bfloat16)
+    for march, _ in [("native", ""), *runnable_builds()]:
+        kernel = kv_native.load(march)
+        assert kernel is not None
+        got = kernel.dequantize(codes, scale, offset, torch.tensor([0]), 8, per_token=True)[0]
+        assert torch.equal(got, expected), f"{march} ({kernel.isa})"
+
+
 def test_the_native_kernel_refuses_what_it_cannot_read() -> None:
     kernel = native_kernel()
     codes = torch.zeros(4, 16, 8, dtype=torch.int8)  # 4 rows of 16 tokens, 8 channels
@@ -377,6 +438,33 @@ async def test_the_native_and_torch_readers_generate_the_same_tokens(tiny: Loade
     native, _ = await run(tiny, **options)
     by_torch, _ = await run(tiny, **options, kv_kernel="torch")
     assert native == by_torch
+
+
+@pytest.mark.parametrize("choice", ["avx2", "portable"])
+async def test_an_older_cpus_kernel_path_is_chosen_by_name_and_generates_the_same_tokens(
+    tiny: LoadedModel, choice: str
+) -> None:
+    """KV_KERNEL=avx2 or portable builds the kernel for an older CPU's path (to measure it here):
+    the engine says which reader it runs and decodes what torch's reader decodes; a CPU without
+    the path refuses the choice at start instead of stopping on an illegal instruction."""
+    if tiny.device.type != "cpu":
+        pytest.skip("the native reader is for CPU caches")
+    native_kernel()
+    try:
+        kernel_target(choice)  # type: ignore[arg-type]
+    except ValueError as refused:
+        with pytest.raises(ValueError, match=f"KV_KERNEL={choice} needs"):
+            await run(tiny, kv_compression=True, kv_kernel=choice)
+        pytest.skip(str(refused))
+    config = EngineConfig(
+        model_path=Path("unused"), dtype="float32", kv_cache_bytes=1 << 22, kv_compression=True,
+        kv_kernel=choice,  # type: ignore[arg-type]
+    )  # fmt: skip
+    assert Engine(config, tiny).stats().kv_reader == ("native-avx2" if choice == "avx2" else "native-generic")
+    options = {"kv_compression": True, "kv_quant_bits": 4, "kv_residual_tokens": 8}
+    older, _ = await run(tiny, **options, kv_kernel=choice)
+    by_torch, _ = await run(tiny, **options, kv_kernel="torch")
+    assert older == by_torch
 
 
 async def test_int4_with_every_layer_named_int8_is_the_int8_profile_token_for_token(
