@@ -11,6 +11,10 @@
  * Torch's eager CPU path needs a gather, a conversion and a broadcast multiply-add, each a pass
  * over memory; this is one. Single-threaded on the calling thread: a second thread pool would
  * fight torch's OpenMP workers for the same cores.
+ *
+ * Three paths, chosen when compiling (-march): AVX-512 BF16 (16 channels a step), AVX2 with FMA
+ * (8), and a portable loop (row_generic) for other CPUs and for head sizes the vectors do not
+ * divide. The two vector paths are one reader (row_simd) over a few per-instruction-set helpers.
  */
 #include <stdint.h>
 #include <string.h>
@@ -82,125 +86,112 @@ static void row_generic(const kv_layer *l, int64_t r, void *out, int64_t o) {
         }
 }
 
+#if KV_AVX512 || KV_AVX2
+/* One vector of LANES floats, and the few operations the row reader needs, for each instruction
+ * set; row_simd below is written once over them. */
 #if KV_AVX512
-static inline __m512 load16(const void *p, int64_t i, int fp32) {
-    if (fp32)
-        return _mm512_loadu_ps((const float *)p + i);
-    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+#define LANES 16
+typedef __m512 vfloat;
+typedef __m512i vint;
+static inline vfloat v_set1(float x) { return _mm512_set1_ps(x); }
+static inline vfloat v_fmadd(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vfloat v_load_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline void v_store_f32(float *p, vfloat x) { _mm512_storeu_ps(p, x); }
+static inline vfloat v_load_bf16(const uint16_t *p) { /* a bf16 is the top half of a float32 */
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
-
-static inline void store16(void *p, int64_t i, __m512 x, int fp32) {
-    if (fp32)
-        _mm512_storeu_ps((float *)p + i, x);
-    else
-        _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), (__m256i)_mm512_cvtneps_pbh(x));
+static inline void v_store_bf16(uint16_t *p, vfloat x) { /* rounds to nearest even */
+    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(x));
 }
-
-/* Sixteen channels' scale and offset for token t of row r (broadcast when per token). */
-static inline void params16(const kv_layer *l, int64_t r, int64_t t, int64_t d, __m512 *s, __m512 *b) {
-    if (l->per_token) {
-        *s = _mm512_set1_ps(load1(l->scale, r * l->block + t, l->fp32));
-        *b = _mm512_set1_ps(load1(l->offset, r * l->block + t, l->fp32));
-    } else {
-        *s = load16(l->scale, r * l->dim + d, l->fp32);
-        *b = load16(l->offset, r * l->dim + d, l->fp32);
-    }
+static inline vfloat v_from_int8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
-
-static void row_avx512(const kv_layer *l, int64_t r, void *out, int64_t o) {
-    __m512 s, b, s2, b2;
-    if (l->bits == 8) {
-        const int8_t *row = (const int8_t *)l->codes + r * l->block * l->dim;
-        for (int64_t t = 0; t < l->block; t++)
-            for (int64_t d = 0; d < l->dim; d += 16) {
-                params16(l, r, t, d, &s, &b);
-                __m128i c = _mm_loadu_si128((const __m128i *)(row + t * l->dim + d));
-                __m512 x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c));
-                store16(out, o + t * l->dim + d, _mm512_fmadd_ps(x, s, b), l->fp32);
-            }
-        return;
-    }
-    int64_t half = l->dim / 2;
-    const uint8_t *row = (const uint8_t *)l->codes + r * l->block * half;
-    const __m512i nibble = _mm512_set1_epi32(0x0F), centre = _mm512_set1_epi32(8);
-    for (int64_t t = 0; t < l->block; t++)
-        for (int64_t d = 0; d < half; d += 16) {
-            params16(l, r, t, d, &s, &b);
-            params16(l, r, t, d + half, &s2, &b2);
-            __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + t * half + d)));
-            __m512 lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(c, nibble), centre));
-            __m512 hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(c, 4), centre));
-            store16(out, o + t * l->dim + d, _mm512_fmadd_ps(lo, s, b), l->fp32);
-            store16(out, o + t * l->dim + d + half, _mm512_fmadd_ps(hi, s2, b2), l->fp32);
-        }
+static inline vint v_widen_uint8(const uint8_t *p) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
 }
-#endif
-
-#if KV_AVX2
-/* Eight floats from float32 or bfloat16 (a bf16 is the top half of a float32). */
-static inline __m256 load8(const void *p, int64_t i, int fp32) {
-    if (fp32)
-        return _mm256_loadu_ps((const float *)p + i);
-    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+static inline vfloat v_nibble(vint c, int high) { /* the low or high nibble of each lane, centred */
+    vint n = high ? _mm512_srli_epi32(c, 4) : _mm512_and_si512(c, _mm512_set1_epi32(0x0F));
+    return _mm512_cvtepi32_ps(_mm512_sub_epi32(n, _mm512_set1_epi32(8)));
+}
+#else
+#define LANES 8
+typedef __m256 vfloat;
+typedef __m256i vint;
+static inline vfloat v_set1(float x) { return _mm256_set1_ps(x); }
+static inline vfloat v_fmadd(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vfloat v_load_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline void v_store_f32(float *p, vfloat x) { _mm256_storeu_ps(p, x); }
+static inline vfloat v_load_bf16(const uint16_t *p) {
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
-
-/* Eight floats stored as float32, or as bfloat16 rounded to nearest even like f32_to_bf16. */
-static inline void store8(void *p, int64_t i, __m256 x, int fp32) {
-    if (fp32) {
-        _mm256_storeu_ps((float *)p + i, x);
-        return;
-    }
+static inline void v_store_bf16(uint16_t *p, vfloat x) { /* rounds to nearest even, as f32_to_bf16 */
     __m256i u = _mm256_castps_si256(x);
     __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)), 16);
-    /* packus works within 128-bit lanes: lanes (lo, hi) give (lo4, lo4', hi4, hi4'); keep 0 and 2 */
+    /* packus works within 128-bit lanes: (lo, hi) give (lo4, lo4, hi4, hi4) as 64-bit parts 0-3 */
     __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(u, u), 0x08);
-    _mm_storeu_si128((__m128i *)((uint16_t *)p + i), _mm256_castsi256_si128(packed));
+    _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(packed));
 }
-
-/* Eight channels' scale and offset for token t of row r (broadcast when per token). */
-static inline void params8(const kv_layer *l, int64_t r, int64_t t, int64_t d, __m256 *s, __m256 *b) {
-    if (l->per_token) {
-        *s = _mm256_set1_ps(load1(l->scale, r * l->block + t, l->fp32));
-        *b = _mm256_set1_ps(load1(l->offset, r * l->block + t, l->fp32));
-    } else {
-        *s = load8(l->scale, r * l->dim + d, l->fp32);
-        *b = load8(l->offset, r * l->dim + d, l->fp32);
-    }
-}
-
 static inline __m128i load_bytes8(const void *p) {
     int64_t v;
     memcpy(&v, p, sizeof v);
     return _mm_cvtsi64_si128(v);
 }
+static inline vfloat v_from_int8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load_bytes8(p)));
+}
+static inline vint v_widen_uint8(const uint8_t *p) { return _mm256_cvtepu8_epi32(load_bytes8(p)); }
+static inline vfloat v_nibble(vint c, int high) {
+    vint n = high ? _mm256_srli_epi32(c, 4) : _mm256_and_si256(c, _mm256_set1_epi32(0x0F));
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(n, _mm256_set1_epi32(8)));
+}
+#endif
 
-static void row_avx2(const kv_layer *l, int64_t r, void *out, int64_t o) {
-    __m256 s, b, s2, b2;
+static inline vfloat load_v(const void *p, int64_t i, int fp32) {
+    return fp32 ? v_load_f32((const float *)p + i) : v_load_bf16((const uint16_t *)p + i);
+}
+
+static inline void store_v(void *p, int64_t i, vfloat x, int fp32) {
+    if (fp32)
+        v_store_f32((float *)p + i, x);
+    else
+        v_store_bf16((uint16_t *)p + i, x);
+}
+
+/* LANES channels' scale and offset for token t of row r (broadcast when per token). */
+static inline void params_v(const kv_layer *l, int64_t r, int64_t t, int64_t d, vfloat *s, vfloat *b) {
+    if (l->per_token) {
+        *s = v_set1(load1(l->scale, r * l->block + t, l->fp32));
+        *b = v_set1(load1(l->offset, r * l->block + t, l->fp32));
+    } else {
+        *s = load_v(l->scale, r * l->dim + d, l->fp32);
+        *b = load_v(l->offset, r * l->dim + d, l->fp32);
+    }
+}
+
+/* row_generic, LANES channels at a time: dim a multiple of LANES (8-bit) or 2 * LANES (4-bit). */
+static void row_simd(const kv_layer *l, int64_t r, void *out, int64_t o) {
+    vfloat s, b, s2, b2;
     if (l->bits == 8) {
         const int8_t *row = (const int8_t *)l->codes + r * l->block * l->dim;
         for (int64_t t = 0; t < l->block; t++)
-            for (int64_t d = 0; d < l->dim; d += 8) {
-                params8(l, r, t, d, &s, &b);
-                __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load_bytes8(row + t * l->dim + d)));
-                store8(out, o + t * l->dim + d, _mm256_fmadd_ps(x, s, b), l->fp32);
+            for (int64_t d = 0; d < l->dim; d += LANES) {
+                params_v(l, r, t, d, &s, &b);
+                store_v(out, o + t * l->dim + d, v_fmadd(v_from_int8(row + t * l->dim + d), s, b), l->fp32);
             }
         return;
     }
     int64_t half = l->dim / 2;
     const uint8_t *row = (const uint8_t *)l->codes + r * l->block * half;
-    const __m256i nibble = _mm256_set1_epi32(0x0F), centre = _mm256_set1_epi32(8);
     for (int64_t t = 0; t < l->block; t++)
-        for (int64_t d = 0; d < half; d += 8) {
-            params8(l, r, t, d, &s, &b);
-            params8(l, r, t, d + half, &s2, &b2);
-            __m256i c = _mm256_cvtepu8_epi32(load_bytes8(row + t * half + d));
-            __m256 lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(c, nibble), centre));
-            __m256 hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(c, 4), centre));
-            store8(out, o + t * l->dim + d, _mm256_fmadd_ps(lo, s, b), l->fp32);
-            store8(out, o + t * l->dim + d + half, _mm256_fmadd_ps(hi, s2, b2), l->fp32);
+        for (int64_t d = 0; d < half; d += LANES) {
+            params_v(l, r, t, d, &s, &b);
+            params_v(l, r, t, d + half, &s2, &b2);
+            vint c = v_widen_uint8(row + t * half + d);
+            store_v(out, o + t * l->dim + d, v_fmadd(v_nibble(c, 0), s, b), l->fp32);
+            store_v(out, o + t * l->dim + d + half, v_fmadd(v_nibble(c, 1), s2, b2), l->fp32);
         }
 }
 #endif
@@ -219,20 +210,13 @@ int kv_dequantize_rows(const void *codes, const void *scale, const void *offset,
         if (rows[i] < 0 || rows[i] >= num_rows)
             return -1;
     kv_layer l = {codes, scale, offset, bits, per_token, fp32, block, dim};
-#if KV_AVX512
-    int fast = dim % (bits == 8 ? 16 : 32) == 0;
-#elif KV_AVX2
-    int fast = dim % (bits == 8 ? 8 : 16) == 0;
+#if KV_AVX512 || KV_AVX2
+    int fast = dim % (bits == 8 ? LANES : 2 * LANES) == 0;
 #endif
     for (int64_t i = 0; i < n; i++) {
-#if KV_AVX512
+#if KV_AVX512 || KV_AVX2
         if (fast) {
-            row_avx512(&l, rows[i], out, i * block * dim);
-            continue;
-        }
-#elif KV_AVX2
-        if (fast) {
-            row_avx2(&l, rows[i], out, i * block * dim);
+            row_simd(&l, rows[i], out, i * block * dim);
             continue;
         }
 #endif
