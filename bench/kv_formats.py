@@ -15,7 +15,9 @@ what rounding alone gives, the bar's reference.
 A format sets bits for keys and values (8, 4, or none: full precision) per layer, optional
 Hadamard rotation of keys and/or values before quantising, the residual window, the sink blocks,
 and optionally a value range chosen by least squared error instead of min-max (`value_clips`: not
-yet a quantiser the engine has; the same bytes). Bytes per token are given twice: the cold blocks'
+yet a quantiser the engine has; the same bytes), or keys quantised before rotary embedding
+(`pre_rope_keys`: turned back by the model's rotary angles first; not yet a store the engine has,
+the same bytes). Bytes per token are given twice: the cold blocks'
 exact bytes (codes, scales, offsets) over bf16's, and "counted" as `bench.kv_quality` counts a sequence's blocks at its last step (the
 sink blocks, the window and the block being written at full precision; median over the documents,
 prompt and continuation).
@@ -65,6 +67,10 @@ class Format:
     # ratio, the one with the least squared error kept: same bytes, more work when storing only.
     # Empty: the engine's min-max range.
     value_clips: tuple[float, ...] = ()
+    # Keys quantised before rotary embedding (KVQuant's pre-RoPE keys): the cached keys are rotated
+    # back to their positions' unrotated form, quantised per channel, dequantised and rotated again.
+    # Same bytes; an engine would store them unrotated and rotate after reading.
+    pre_rope_keys: bool = False
 
     def bits(self, layer: int) -> tuple[int | None, int | None]:
         return self.layer_bits.get(layer, (self.key_bits, self.value_bits))
@@ -117,6 +123,11 @@ FORMATS: dict[str, Format] = {
     # A better quantiser at the same bytes: the value range chosen by least squared error.
     "int4+int8@5layers-w0-vclip": replace(MIXED, residual=0, value_clips=CLIPS),
     "int4+int8@5layers-w0-nosink-vclip": replace(MIXED, residual=0, sink_blocks=0, value_clips=CLIPS),
+    # Keys quantised before rotary embedding: a key channel pair turns with position after it, which
+    # widens each channel's range over a block; before it, a channel's outliers stay in that channel.
+    "int4-prerope": Format(pre_rope_keys=True),
+    "int4+int8@5layers-w0-prerope": replace(MIXED, residual=0, pre_rope_keys=True),
+    "int4+int8@5layers-w0-nosink-prerope": replace(MIXED, residual=0, sink_blocks=0, pre_rope_keys=True),
 }
 
 
@@ -214,6 +225,7 @@ def logprobs(model: Any, ids: torch.Tensor, prompt_len: int, fmt: Format) -> tor
 
     h = hadamard(head_size(model.config))
     rotation = (h if fmt.rotate_keys else None, h if fmt.rotate_values else None)
+    rope = rotary_angles(model, len(ids)) if fmt.pre_rope_keys else None
     steps = [(a, min(a + fmt.prompt_chunk, prompt_len)) for a in range(0, prompt_len, fmt.prompt_chunk)]
     steps += [(a, min(a + BLOCK, len(ids))) for a in range(prompt_len, len(ids), BLOCK)]
     cache, rows = DynamicCache(), []
@@ -235,23 +247,45 @@ def logprobs(model: Any, ids: torch.Tensor, prompt_len: int, fmt: Format) -> tor
                 group = fmt.key_group(layer)
                 while cold_keys[layer] + group <= limit:
                     span = slice(cold_keys[layer] * BLOCK, (cold_keys[layer] + group) * BLOCK)
-                    _requantise([cached], fmt, span, rotation, keys=True, first_layer=layer)
+                    _requantise([cached], fmt, span, rotation, keys=True, first_layer=layer, rope=rope)
                     cold_keys[layer] += group
             cold_values = max(cold_values, limit)
     return torch.log_softmax(torch.cat(rows)[: len(ids) - prompt_len], dim=-1)
 
 
+def rotary_angles(model: Any, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's rotary cos and sin for positions 0..length-1, fp32, (length, head_dim)."""
+    positions = torch.arange(length)[None]
+    with torch.inference_mode():
+        cos, sin = model.model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
+    return cos[0].float(), sin[0].float()
+
+
+def unrotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
+    """Keys (T, KVH, D) turned by rotary embedding's angles at their positions (cos, sin (T, D)):
+    sign -1 undoes the embedding, +1 applies it (transformers' half-split layout), in fp32."""
+    x = keys.float()
+    half = x.shape[-1] // 2
+    turned = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + sign * turned * sin[:, None]
+
+
 def _requantise(
     held: list[Any], fmt: Format, span: slice, rotation: tuple[torch.Tensor | None, torch.Tensor | None], *,
-    keys: bool, first_layer: int = 0,
+    keys: bool, first_layer: int = 0, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:  # fmt: skip
     """The keys (or the values) of `span` in the layers `held` (the first is `first_layer`),
-    fake-quantised in place at each layer's bits."""
+    fake-quantised in place at each layer's bits; with `rope`, keys before rotary embedding."""
     for layer, cached in enumerate(held, start=first_layer):
         key_bits, value_bits = fmt.bits(layer)
         tensor = cached.keys if keys else cached.values
         part = tensor[0, :, span].transpose(0, 1)
-        if keys:
+        if keys and rope is not None and key_bits is not None:
+            cos, sin = rope[0][span], rope[1][span]
+            plain = unrotate(part, cos, sin, -1.0)
+            quantised, _ = fake_quantise(plain, plain, key_bits, None, rotation)
+            part = unrotate(quantised, cos, sin, 1.0).to(part.dtype)
+        elif keys:
             part, _ = fake_quantise(part, part, key_bits, None, rotation)
         else:
             _, part = fake_quantise(part, part, None, value_bits, rotation, fmt.value_clips)

@@ -14,6 +14,8 @@ from bench.kv_formats import (
     counted_ratio,
     fake_quantise,
     logprobs,
+    rotary_angles,
+    unrotate,
 )
 from engine.kv_cache import ColdStore, KVShape
 from engine.kv_quant import QuantFormat, hadamard
@@ -93,3 +95,37 @@ def test_a_clipped_value_range_is_min_max_at_ratio_one_and_never_worse_with_more
     assert bool((searched_error <= plain_error * (1 + 1e-4) + 1e-6).all())  # 1.0 is among the ratios
     if bits == 4:  # 15 levels for a row with an outlier: a narrower range pays
         assert float(searched_error.sum()) < 0.95 * float(plain_error.sum())
+
+
+def test_keys_turned_back_by_the_rotary_angles_are_the_projections_before_rotary_embedding() -> None:
+    """The cache holds keys after rotary embedding; `unrotate` with the model's own angles gives
+    back layer 0's key projection of the same tokens (what pre-RoPE quantisation quantises), and
+    turning them forward again gives the cached keys."""
+    from transformers import DynamicCache
+
+    model = build_tiny("qwen2").model.eval()
+    ids = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 8, 11, 12]])
+    cache = DynamicCache()
+    with torch.inference_mode():
+        model(input_ids=ids, cache=cache, use_cache=True)
+        attention = model.model.layers[0].self_attn
+        hidden = model.model.layers[0].input_layernorm(model.model.embed_tokens(ids))
+        projected = attention.k_proj(hidden)[0].view(ids.shape[1], -1, attention.head_dim)  # (T, KVH, D)
+    cached = cache.layers[0].keys[0].transpose(0, 1)  # (T, KVH, D), after rotary embedding
+    cos, sin = rotary_angles(model, ids.shape[1])
+    plain = unrotate(cached, cos, sin, -1.0)
+    torch.testing.assert_close(plain, projected.float(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(unrotate(plain, cos, sin, 1.0), cached.float(), rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(cached.float(), projected.float(), atol=1e-3)  # the embedding turned them
+
+
+def test_pre_rope_int4_keys_disturb_the_distributions_and_leave_a_no_quantisation_run_alone() -> None:
+    model = build_tiny("qwen2").model.eval()
+    ids = torch.randint(0, model.config.vocab_size, (96,), generator=torch.Generator().manual_seed(3))
+    reference = logprobs(model, ids, 64, Format(quantise=False))
+    unquantised = logprobs(model, ids, 64, Format(quantise=False, pre_rope_keys=True))
+    torch.testing.assert_close(unquantised, reference)
+    pre_rope = logprobs(
+        model, ids, 64, Format(value_bits=None, pre_rope_keys=True, residual=0, sink_blocks=0)
+    )
+    assert not torch.allclose(pre_rope, reference)
