@@ -4,8 +4,8 @@
 this CPU. This program answers a narrower question fast: how much does a candidate format disturb
 the model's next-token distributions? On evenly spaced documents of bench/data/kv-corpus.jsonl the
 model (transformers, bf16 unless --dtype says otherwise) reads the narrative prompt in 192-token
-chunks and then teacher-forces its own greedy continuation (--tf-tokens) in 16-token steps; after every step the blocks the
-engine would have moved to cold storage (whole 16-token blocks past the sink blocks, older than the
+chunks and then teacher-forces its own greedy continuation (--tf-tokens) in 16-token steps; after
+every step the blocks the engine would have moved to cold storage (whole 16-token blocks past the sink blocks, older than the
 residual window) are quantised and dequantised in place, once each, with the engine's own
 `quantize_keys` / `quantize_values` (keys per channel over a block, values per token). Every
 format's logits are compared with the same run unquantised: mean next-token KL over the whole
@@ -17,9 +17,9 @@ Hadamard rotation of keys and/or values before quantising, the residual window, 
 and optionally a value range chosen by least squared error instead of min-max (`value_clips`: not
 yet a quantiser the engine has; the same bytes), or keys quantised before rotary embedding
 (`pre_rope_keys`: turned back by the model's rotary angles first; not yet a store the engine has,
-the same bytes). Bytes per token are given twice: the cold blocks'
-exact bytes (codes, scales, offsets) over bf16's, and "counted" as `bench.kv_quality` counts a sequence's blocks at its last step (the
-sink blocks, the window and the block being written at full precision; median over the documents,
+the same bytes). Bytes per token are given twice: the cold blocks' exact bytes (codes, scales,
+offsets) over bf16's, and "counted" as `bench.kv_quality` counts a sequence's blocks at its last
+step (the sink blocks, the window and the block being written at full precision; median over the documents,
 prompt and continuation).
 No engine kernel is exercised: a format found here is built, then measured by `bench.kv_quality`.
 
@@ -261,9 +261,9 @@ def rotary_angles(model: Any, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     return cos[0].float(), sin[0].float()
 
 
-def unrotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
-    """Keys (T, KVH, D) turned by rotary embedding's angles at their positions (cos, sin (T, D)):
-    sign -1 undoes the embedding, +1 applies it (transformers' half-split layout), in fp32."""
+def rope_turn(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
+    """Keys (T, KVH, D) turned by rotary embedding's angles at their positions (cos, sin (T, D)),
+    in fp32: sign +1 applies the embedding, -1 undoes it (transformers' half-split layout)."""
     x = keys.float()
     half = x.shape[-1] // 2
     turned = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -282,9 +282,9 @@ def _requantise(
         part = tensor[0, :, span].transpose(0, 1)
         if keys and rope is not None and key_bits is not None:
             cos, sin = rope[0][span], rope[1][span]
-            plain = unrotate(part, cos, sin, -1.0)
+            plain = rope_turn(part, cos, sin, -1.0)
             quantised, _ = fake_quantise(plain, plain, key_bits, None, rotation)
-            part = unrotate(quantised, cos, sin, 1.0).to(part.dtype)
+            part = rope_turn(quantised, cos, sin, 1.0).to(part.dtype)
         elif keys:
             part, _ = fake_quantise(part, part, key_bits, None, rotation)
         else:

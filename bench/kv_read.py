@@ -28,7 +28,8 @@ from rich.table import Table
 
 from bench import common
 from engine import kv_native
-from engine.kv_cache import ColdStore, KVShape
+from engine.config import KVKernel
+from engine.kv_cache import ColdStore, KVShape, head_major_rows
 from engine.kv_native import NativeKernel
 from engine.kv_policy import kernel_target
 from engine.kv_quant import QuantFormat
@@ -39,9 +40,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def readers() -> dict[str, NativeKernel | None]:
     """Reader name -> kernel (None: torch), for every path this CPU can run."""
     found: dict[str, NativeKernel | None] = {"torch": None}
-    for choice in ("portable", "avx2", "auto"):
+    choices: tuple[KVKernel, ...] = ("portable", "avx2", "auto")
+    for choice in choices:
         try:
-            target = kernel_target(choice)  # type: ignore[arg-type]
+            target = kernel_target(choice)
         except ValueError:  # this CPU lacks the path
             continue
         kernel = kv_native.load(target)
@@ -74,7 +76,7 @@ def main() -> None:
     per_seq = args.history // 16
     heads, blocks = 2, args.seqs * per_seq
     order = torch.randperm(blocks, generator=torch.Generator().manual_seed(1))
-    rows = (order.view(args.seqs, 1, per_seq) * heads + torch.arange(heads)[None, :, None]).flatten()
+    rows = head_major_rows(order.view(args.seqs, per_seq), heads)  # (sequence, KV head, block)
     pairs = args.seqs * heads
     console = Console(width=160)
     table = Table("dtype", "bits", "reader", "ms per read (median)", "GB/s out", "speed vs torch (median)",

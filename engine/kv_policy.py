@@ -255,12 +255,16 @@ def build_cache(config: EngineConfig, shape: KVShape, device: torch.device, max_
     return KVCache(shape, hot, size, device, cold_store)
 
 
+# An older CPU's kernel path: its compiler target (-march) and the CPU flags it needs.
+OLDER_PATHS = {"avx2": ("haswell", frozenset({"avx2", "fma"})), "portable": ("x86-64", frozenset({"sse2"}))}
+
+
 def kernel_target(kernel: KVKernel) -> str:
     """The compiler target (`-march`) of a native KV kernel choice; refuses a path this CPU lacks
     (running it would stop the process on an illegal instruction)."""
-    if kernel in ("auto", "torch"):
+    if kernel not in OLDER_PATHS:
         return "native"
-    needs = {"avx2": {"avx2", "fma"}, "portable": {"sse2"}}[kernel]
+    march, needs = OLDER_PATHS[kernel]
     if not needs <= cpu_flags():
         raise ValueError(f"KV_KERNEL={kernel} needs a CPU with {', '.join(sorted(needs))}")
-    return {"avx2": "haswell", "portable": "x86-64"}[kernel]
+    return march

@@ -14,8 +14,8 @@ from bench.kv_formats import (
     counted_ratio,
     fake_quantise,
     logprobs,
+    rope_turn,
     rotary_angles,
-    unrotate,
 )
 from engine.kv_cache import ColdStore, KVShape
 from engine.kv_quant import QuantFormat, hadamard
@@ -98,7 +98,7 @@ def test_a_clipped_value_range_is_min_max_at_ratio_one_and_never_worse_with_more
 
 
 def test_keys_turned_back_by_the_rotary_angles_are_the_projections_before_rotary_embedding() -> None:
-    """The cache holds keys after rotary embedding; `unrotate` with the model's own angles gives
+    """The cache holds keys after rotary embedding; `rope_turn` with the model's own angles gives
     back layer 0's key projection of the same tokens (what pre-RoPE quantisation quantises), and
     turning them forward again gives the cached keys."""
     from transformers import DynamicCache
@@ -113,9 +113,9 @@ def test_keys_turned_back_by_the_rotary_angles_are_the_projections_before_rotary
         projected = attention.k_proj(hidden)[0].view(ids.shape[1], -1, attention.head_dim)  # (T, KVH, D)
     cached = cache.layers[0].keys[0].transpose(0, 1)  # (T, KVH, D), after rotary embedding
     cos, sin = rotary_angles(model, ids.shape[1])
-    plain = unrotate(cached, cos, sin, -1.0)
+    plain = rope_turn(cached, cos, sin, -1.0)
     torch.testing.assert_close(plain, projected.float(), rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(unrotate(plain, cos, sin, 1.0), cached.float(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(rope_turn(plain, cos, sin, 1.0), cached.float(), rtol=1e-4, atol=1e-5)
     assert not torch.allclose(cached.float(), projected.float(), atol=1e-3)  # the embedding turned them
 
 
