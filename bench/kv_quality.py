@@ -1,6 +1,7 @@
 """KV-compression harness: memory and quality of each compression profile, in one run.
 
-For every profile, on the documents of bench/data/kv-corpus.jsonl (zh/en, three kinds):
+For every profile, on the documents of bench/data/kv-corpus.jsonl (zh/en, three kinds) and, with
+`--real N`, N labelled documents no one here wrote (`real_documents`):
   * analysis pass: each document's analysis as the service makes it, labels scored by the
     `Analyzer` under that profile, then the narrative generated with its JSON Schema (all documents
     at once, the same batch size for every profile): tokens/s, p50/p95 latency, valid JSON;
@@ -15,9 +16,14 @@ For every profile, on the documents of bench/data/kv-corpus.jsonl (zh/en, three 
   * analysis agreement with the uncompressed profile: sentiment polarity, doubt and expectation
     flags, and a character-bigram Dice similarity of the core viewpoints; and with the corpus
     label where there is one (complaints: negative).
-Prefix caching is off here: every document's blocks are its own, so the bytes are per document.
+Prefix caching is off unless `--prefix-caching`: then the label questions, which the service asks
+over one prompt's cached blocks, do not each read the whole document again, and a document's bytes
+count the shared blocks its table holds as its own.
 
     python -m bench.kv_quality --out bench/results/kv-quality-cpu.json
+    # 200 documents, the uncompressed reference kept so that later runs add profiles against it
+    python -m bench.kv_quality --real 80 --profiles off,int4+int8@5-w0 \
+        --reference ~/.cache/deepanalyze/kv-quality/reference.pt --out bench/results/kv-quality-200.json
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from opentelemetry import trace
 from rich.console import Console
 from rich.table import Table
 
-from bench import common
+from bench import common, real_data
 from bench.kv_formats import SENSITIVE
 from engine import Engine, EngineConfig, SamplingParams
 from engine.kv_cache import ColdStore, KVShape
@@ -122,6 +128,27 @@ def load_corpus(limit: int | None) -> list[dict[str, Any]]:
     if not limit or limit >= len(docs):
         return docs
     return [docs[i * len(docs) // limit] for i in range(limit)]
+
+
+def real_documents(sample: list[real_data.Labelled], n: int) -> list[dict[str, Any]]:
+    """`n` of `sample`'s labelled documents, an equal share per language and label, evenly spaced in
+    each; run on the quality benchmark's own evaluation sample (`bench.real_data.sample(300)`, no one
+    here wrote it), so the agreement is measured on the documents its accuracy is. Kinds as
+    `bench.quality` sends them: Chinese news posts as filings, English review sentences as complaints."""
+    kinds = {"zh": DocumentKind.FILING, "en": DocumentKind.COMPLAINT}
+    groups: dict[tuple[str, str], list[real_data.Labelled]] = {}
+    for row in sample:
+        groups.setdefault((row.language, row.polarity), []).append(row)
+    take = n // len(groups)
+    docs = []
+    for (language, polarity), rows in sorted(groups.items()):
+        for i in range(take):
+            row = rows[i * len(rows) // take]
+            docs.append({
+                "document_id": f"real-{row.source}-{polarity}-{i:03d}", "kind": kinds[language].value,
+                "language": language, "text": row.text, "label_polarity": polarity,
+            })  # fmt: skip
+    return docs
 
 
 def bf16_shape(engine: Engine) -> KVShape:
@@ -281,12 +308,45 @@ def _pct(values: list[float], q: float) -> float:
 Baseline = tuple[list[DocResult], Reference]
 
 
+def reference_key(args: Any, loaded: LoadedModel, docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """What an uncompressed run must share with this one to stand as its reference."""
+    return {
+        "model": str(args.model), "dtype": str(loaded.dtype), "torch": torch.__version__,
+        "documents": [d["document_id"] for d in docs], "max_batch": args.max_batch,
+        "pool_mib": args.pool_mib, "top_k": args.top_k, "tf_tokens": args.tf_tokens,
+        "prefix_caching": args.prefix_caching,
+    }  # fmt: skip
+
+
+def save_reference(path: Path, key: dict[str, Any], base: Baseline, summary: dict[str, Any]) -> None:
+    """The uncompressed run (its analyses, outputs and top-k distributions up to the forced
+    length), so that later runs compare further profiles with the same reference."""
+    results, ref = base
+    limit = key["tf_tokens"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({
+        "key": key, "summary": summary, "results": [asdict(r) for r in results],
+        "ids": [t[:limit].clone() for t in ref.ids], "logp": [t[:limit].clone() for t in ref.logp],
+    }, path)  # fmt: skip
+
+
+def load_reference(path: Path, key: dict[str, Any]) -> tuple[Baseline, dict[str, Any]] | None:
+    """A saved uncompressed run made under `key`, or None (no file, or made under another)."""
+    if not path.exists():
+        return None
+    saved = torch.load(path, weights_only=True)
+    if saved["key"] != key:
+        return None
+    results = [DocResult(**r) for r in saved["results"]]
+    return (results, Reference(saved["ids"], saved["logp"])), saved["summary"]
+
+
 async def run_profile(
     loaded: LoadedModel, name: str, docs: list[dict[str, Any]], args: Any, base: Baseline | None
 ) -> tuple[dict[str, Any], list[DocResult], Reference]:
     config = EngineConfig(
         model_path=Path("bench"), dynamic_batching=True, max_batch_size=args.max_batch,
-        kv_cache_bytes=args.pool_mib << 20, prefix_caching=False, **PROFILES[name],
+        kv_cache_bytes=args.pool_mib << 20, prefix_caching=args.prefix_caching, **PROFILES[name],
     )  # fmt: skip
     engine = Engine(config, loaded)
     async with engine:
@@ -325,6 +385,10 @@ def main() -> None:
     parser.add_argument(
         "--docs", type=int, default=None, help="first N documents of the corpus (default: all)"
     )
+    parser.add_argument(
+        "--real", type=int, default=0,
+        help="add this many real labelled documents (bench.real_data; a quarter per language and label)",
+    )  # fmt: skip
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument(
         "--pool-mib", type=int, default=1024, help="KV pool for the quality runs (no preemption)"
@@ -336,28 +400,47 @@ def main() -> None:
         "--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
         help="the model's and cache's (auto: bf16 where computed natively); bytes count as bf16 either way",
     )  # fmt: skip
+    parser.add_argument(
+        "--prefix-caching", action="store_true",
+        help="as the service runs: a document's label questions share its prompt's blocks (several times "
+        "faster); a document's bytes then count the shared blocks its table holds",
+    )  # fmt: skip
     parser.add_argument("--top-k", type=int, default=256)
     parser.add_argument("--tf-tokens", type=int, default=128, help="teacher-force this many output tokens")
     parser.add_argument("--out", type=Path, default=Path("bench/results/kv-quality.json"))
+    parser.add_argument(
+        "--reference", type=Path, default=None,
+        help="keep the uncompressed run here and reuse it when a later run has the same model, dtype, "
+        "documents and sizes (profiles measured over several runs against one reference)",
+    )  # fmt: skip
     args = parser.parse_args()
     console = Console(width=160)
     args.model = common.model_path(args.model)
     loaded = load_model(args.model, dtype=args.dtype)
-    docs = load_corpus(args.docs)
+    docs = load_corpus(args.docs) + (real_documents(real_data.sample(300), args.real) if args.real else [])
     names = [n for n in args.profiles.split(",") if n]
     if names[0] != "off":
         names.insert(0, "off")  # the reference every other profile is compared with
     summaries, per_doc = [], {}
     base: Baseline | None = None
+    key = reference_key(args, loaded, docs)
+    if args.reference is not None and (saved := load_reference(args.reference, key)) is not None:
+        base, summary = saved
+        console.print(f"profile off: the saved reference {args.reference}")
+        summaries.append(summary | {"reference": str(args.reference)})
+        per_doc["off"] = doc_rows(base[0])
+        names.remove("off")
+    elif args.reference is not None and args.reference.exists():
+        console.print(f"{args.reference} was made under other settings: measuring off again, replacing it")
     for name in names:
         console.print(f"profile {name}: {len(docs)} documents ...")
         summary, results, ref = asyncio.run(run_profile(loaded, name, docs, args, base))
         if base is None:
             base = (results, ref)
+            if args.reference is not None:
+                save_reference(args.reference, key, base, summary)
         summaries.append(summary)
-        per_doc[name] = [asdict(r) | {"kl_mean": statistics.mean(r.kl) if r.kl else None} for r in results]
-        for r in per_doc[name]:
-            r.pop("kl"), r.pop("top1"), r.pop("output_ids")
+        per_doc[name] = doc_rows(results)
         console.print(f"  {summary['tok_s']:.1f} tok/s, KV ratio {summary['kv_ratio_median']:.3f}")
         write(args, summaries, per_doc)  # after every profile: a long run interrupted keeps what it measured
 
@@ -376,6 +459,17 @@ def main() -> None:
                       f(s["p95_s"], ".1f"))  # fmt: skip
     console.print(table)
     console.print(f"wrote {args.out}")
+
+
+def doc_rows(results: list[DocResult]) -> list[dict[str, Any]]:
+    """Per-document rows for the JSON: the mean KL, not every position's; no token ids."""
+    rows = []
+    for r in results:
+        row = asdict(r) | {"kl_mean": statistics.mean(r.kl) if r.kl else None}
+        for bulky in ("kl", "top1", "output_ids"):
+            row.pop(bulky)
+        rows.append(row)
+    return rows
 
 
 def write(args: Any, summaries: list[dict[str, Any]], per_doc: dict[str, Any]) -> None:

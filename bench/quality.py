@@ -3,6 +3,7 @@
     python -m bench.quality --out bench/results/quality-cpu-0.5b.json
     MODEL=qwen2.5-coder-1.5b python -m bench.quality --out bench/results/quality-cpu-1.5b.json
     python -m bench.quality --ask policy     # only what the service asks: its documents/min
+    python -m bench.quality --ask policy --kv-profile int4+int8@5-w0   # under a KV compression profile
 
 Three parts, each on the same `pipeline.analyzer.Analyzer` the service runs:
 
@@ -34,6 +35,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import common, real_data
+from bench.kv_quality import PROFILES as KV_PROFILES
 from pipeline.analyzer import AnalysisFailed, Analyzer
 from pipeline.backends import EmbeddedBackend
 from pipeline.codec import Document
@@ -342,7 +344,8 @@ def team_rows(path: Path) -> list[dict[str, Any]]:
 
 
 async def run(args: Any) -> dict[str, Any]:
-    engine = await common.analysis_engine(args.model)
+    settings = KV_PROFILES[args.kv_profile]
+    engine = await common.analysis_engine(args.model, **settings)
     # Every side question is asked and stored (so that `--tune` and the comparison below can replay
     # them); the labels are decided by the service's default policy, which uses the ones it names.
     # The service's policy for this model; the content-free priors are measured and stored all the same.
@@ -365,6 +368,7 @@ async def run(args: Any) -> dict[str, Any]:
         "dtype": str(engine.loaded.dtype),
         "per_language": args.per_language,
         "asked": args.ask,
+        "kv_profile": {"name": args.kv_profile, "settings": settings},
     }
     async with engine:
         await analyzer.prepare()
@@ -554,6 +558,12 @@ def main() -> None:
         "--parts", type=int, help="the probe reads this many parts of each document (default: the service's)"
     )
     parser.add_argument("--out", type=Path, default=Path("bench/results/quality.json"))
+    parser.add_argument(
+        "--kv-profile",
+        choices=sorted(KV_PROFILES),
+        default="off",
+        help="the engine's KV compression profile (bench.kv_quality's profiles; default: none)",
+    )
     parser.add_argument(
         "--split",
         choices=("test", "dev"),
