@@ -475,7 +475,8 @@ def doc_rows(results: list[DocResult]) -> list[dict[str, Any]]:
 def write(args: Any, summaries: list[dict[str, Any]], per_doc: dict[str, Any]) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
-        "machine": {"threads": torch.get_num_threads(), "platform": platform.platform(), "torch": torch.__version__},
+        "machine": common.machine()
+        | {"threads": torch.get_num_threads(), "platform": platform.platform(), "torch": torch.__version__},
         "config": vars(args) | {"model": str(args.model), "out": str(args.out)},
         "summaries": summaries, "documents": per_doc,
     }, indent=1, ensure_ascii=False, default=str))  # fmt: skip
