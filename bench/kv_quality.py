@@ -133,8 +133,9 @@ def load_corpus(limit: int | None) -> list[dict[str, Any]]:
 def real_documents(sample: list[real_data.Labelled], n: int) -> list[dict[str, Any]]:
     """`n` of `sample`'s labelled documents, an equal share per language and label, evenly spaced in
     each; run on the quality benchmark's own evaluation sample (`bench.real_data.sample(300)`, no one
-    here wrote it), so the agreement is measured on the documents its accuracy is. Kinds as
-    `bench.quality` sends them: Chinese news posts as filings, English review sentences as complaints."""
+    here wrote it), so the agreement is measured on the documents its accuracy is. Chinese news
+    posts go as filings, English review sentences as complaints (`bench.quality` reads every one as a
+    filing, and again as a complaint in its second reading)."""
     kinds = {"zh": DocumentKind.FILING, "en": DocumentKind.COMPLAINT}
     groups: dict[tuple[str, str], list[real_data.Labelled]] = {}
     for row in sample:
