@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -49,6 +50,11 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _exit_reason(code: int) -> str:
+    """'killed by SIGILL' for a signal (Popen's negative code), else 'exited with N'."""
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
+
+
 @pytest.fixture(scope="module")
 def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """llama-server on the default model's GGUF; yields its API root (…/v1)."""
@@ -72,13 +78,15 @@ def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with log.open("wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 600  # a slow llama.cpp build warms up for minutes
+        deadline = time.monotonic() + 180
         while True:
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                     break
-            if process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"llama-server did not start: {log.read_text(errors='replace')[-2000:]}")
+            code = process.poll()
+            if code is not None or time.monotonic() > deadline:
+                how = "not ready within 180 s" if code is None else _exit_reason(code)
+                pytest.fail(f"llama-server did not start ({how}): {log.read_text(errors='replace')[-2000:]}")
             time.sleep(0.5)
         yield f"http://127.0.0.1:{port}/v1"
     finally:
