@@ -17,7 +17,9 @@ Hadamard rotation of keys and/or values before quantising, the residual window, 
 and optionally a value range chosen by least squared error instead of min-max (`value_clips`: not
 yet a quantiser the engine has; the same bytes), or keys quantised before rotary embedding
 (`pre_rope_keys`: turned back by the model's rotary angles first; not yet a store the engine has,
-the same bytes). Bytes per token are given twice: the cold blocks' exact bytes (codes, scales,
+the same bytes), or 4-bit codes indexing 16 levels fitted per layer to this model's keys and values
+(`codebook`: Lloyd-Max on `--calibration-docs` corpus documents the evaluation does not use, a
+group's min and max kept exact; not yet a store the engine has, the same bytes). Bytes per token are given twice: the cold blocks' exact bytes (codes, scales,
 offsets) over bf16's, and "counted" as `bench.kv_quality` counts a sequence's blocks at its last
 step (the sink blocks, the window and the block being written at full precision; median over the documents,
 prompt and continuation).
@@ -71,6 +73,11 @@ class Format:
     # back to their positions' unrotated form, quantised per channel, dequantised and rotated again.
     # Same bytes; an engine would store them unrotated and rotate after reading.
     pre_rope_keys: bool = False
+    # 4-bit codes index 16 levels between a group's min and max fitted to this model's keys and values
+    # (Lloyd-Max per layer on calibration documents the evaluation does not use; min and max stay
+    # exact), not 16 evenly spaced ones: the same bytes (a 16-entry table per layer and kind), a
+    # table lookup when reading.
+    codebook: bool = False
 
     def bits(self, layer: int) -> tuple[int | None, int | None]:
         return self.layer_bits.get(layer, (self.key_bits, self.value_bits))
@@ -128,7 +135,14 @@ FORMATS: dict[str, Format] = {
     "int4-prerope": Format(pre_rope_keys=True),
     "int4+int8@5layers-w0-prerope": replace(MIXED, residual=0, pre_rope_keys=True),
     "int4+int8@5layers-w0-nosink-prerope": replace(MIXED, residual=0, sink_blocks=0, pre_rope_keys=True),
+    # Non-uniform 4-bit levels (KVQuant's nuq idea), fitted per layer: int4 alone, and the profile.
+    "int4-codebook": Format(codebook=True),
+    "int4+int8@5layers-w0-codebook": replace(MIXED, residual=0, codebook=True),
 }
+
+# Levels of a 4-bit codebook, per layer: (keys', values'), each (16,) ascending in [0, 1] (0 and 1
+# included: a group's min and max), a code picking the level nearest (x - min) / (max - min).
+Codebooks = dict[int, tuple[torch.Tensor, torch.Tensor]]
 
 
 def bytes_ratio(fmt: Format, layers: int, head_dim: int, dtype_bytes: int = 2) -> float:
@@ -188,15 +202,75 @@ def clipped_round_trip(x: torch.Tensor, bits: int, clips: tuple[float, ...]) -> 
     return best.to(x.dtype)
 
 
+def codebook_round_trip(x: torch.Tensor, levels: torch.Tensor, dim: int) -> torch.Tensor:
+    """x quantised over `dim` (per channel over a block's tokens for keys, -3; per token for values,
+    -1) to the nearest of `levels` between each group's min and max, scale and min held in x's
+    dtype as the engine holds them, and dequantised."""
+    work = x.float()
+    low = work.amin(dim=dim, keepdim=True).to(x.dtype).float()
+    span = (work.amax(dim=dim, keepdim=True) - low).to(x.dtype).float()
+    unit = ((work - low) / torch.where(span > 0, span, torch.ones_like(span))).clamp_(0, 1).contiguous()
+    codes = torch.bucketize(unit, (levels[1:] + levels[:-1]) / 2)
+    return (low + levels[codes] * span).to(x.dtype)
+
+
+def lloyd_levels(samples: torch.Tensor, count: int = 16, rounds: int = 50) -> torch.Tensor:
+    """`count` levels in [0, 1], 0 and 1 kept, the inner ones moved by Lloyd-Max iterations to the
+    means of the samples nearest each (least squared error for these samples), from even spacing."""
+    levels = torch.linspace(0, 1, count, dtype=torch.float64)
+    data = samples.double().flatten()
+    for _ in range(rounds):
+        nearest = torch.bucketize(data, (levels[1:] + levels[:-1]) / 2)
+        sums = torch.zeros(count, dtype=torch.float64).index_add_(0, nearest, data)
+        counts = torch.bincount(nearest, minlength=count).double()
+        inner = torch.where(counts[1:-1] > 0, sums[1:-1] / counts[1:-1].clamp(min=1), levels[1:-1])
+        levels = torch.cat((levels[:1], inner, levels[-1:]))
+    return levels.float()
+
+
+def calibrate(model: Any, seqs: list[tuple[torch.Tensor, int]]) -> Codebooks:
+    """Each layer's 4-bit key and value levels, fitted to the groups the cold store quantises in
+    these sequences' prompts: keys per channel over 16-token blocks, values per token."""
+    from transformers import DynamicCache
+
+    keys: dict[int, list[torch.Tensor]] = {}
+    values: dict[int, list[torch.Tensor]] = {}
+    with torch.inference_mode():
+        for ids, prompt_len in seqs:
+            cache = DynamicCache()
+            model(input_ids=ids[None, :prompt_len], cache=cache, use_cache=True)
+            for layer, held in enumerate(cast(list[Any], cache.layers)):
+                blocks = prompt_len // BLOCK
+                k = held.keys[0, :, : blocks * BLOCK].float()  # (KVH, T, D)
+                k = k.reshape(k.shape[0], blocks, BLOCK, -1)
+                keys.setdefault(layer, []).append(_unit(k, 2))
+                values.setdefault(layer, []).append(_unit(held.values[0].float(), -1))
+    return {
+        layer: (lloyd_levels(torch.cat(keys[layer])), lloyd_levels(torch.cat(values[layer])))
+        for layer in keys
+    }
+
+
+def _unit(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """x's entries as (x - min) / (max - min) over `dim`, without each group's min and max."""
+    low, high = x.amin(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True)
+    unit = (x - low) / torch.where(high > low, high - low, torch.ones_like(low))
+    return unit[(unit > 0) & (unit < 1)]
+
+
 def fake_quantise(
     keys: torch.Tensor, values: torch.Tensor, key_bits: int | None, value_bits: int | None,
     rotation: tuple[torch.Tensor | None, torch.Tensor | None], value_clips: tuple[float, ...] = (),
+    levels: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """One block's keys and values (block, KV heads, head_dim) as the engine's cold store gives
     them back: (rotated,) quantised by `quantize_keys` / `quantize_values`, dequantised (and
-    rotated back), in the input's dtype."""
+    rotated back), in the input's dtype; with `levels` (keys', values'), 4-bit parts through
+    those codebooks instead (`codebook_round_trip`)."""
 
     def round_trip(x: torch.Tensor, bits: int, r: torch.Tensor | None, per_channel: bool) -> torch.Tensor:
+        if levels is not None and bits == 4 and r is None:
+            return codebook_round_trip(x, levels[0] if per_channel else levels[1], -3 if per_channel else -1)
         work = x if r is None else (x.float() @ r).to(x.dtype)
         qf = QuantFormat(bits)
         codes, scale, low = (quantize_keys if per_channel else quantize_values)(work, qf)
@@ -218,7 +292,9 @@ def fake_quantise(
     return keys, values
 
 
-def logprobs(model: Any, ids: torch.Tensor, prompt_len: int, fmt: Format) -> torch.Tensor:
+def logprobs(
+    model: Any, ids: torch.Tensor, prompt_len: int, fmt: Format, codebooks: Codebooks | None = None
+) -> torch.Tensor:
     """Log-probabilities (continuation, vocabulary) of the tokens after the prompt, the cache's
     cold blocks fake-quantised as the engine would hold them after every step."""
     from transformers import DynamicCache
@@ -242,12 +318,22 @@ def logprobs(model: Any, ids: torch.Tensor, prompt_len: int, fmt: Format) -> tor
             limit = (end - fmt.residual) // BLOCK
             held = cast(list[Any], cache.layers)  # full-attention layers: .keys, .values
             for block in range(cold_values, limit):  # values: per token, as each block goes cold
-                _requantise(held, fmt, slice(block * BLOCK, (block + 1) * BLOCK), rotation, keys=False)
+                span = slice(block * BLOCK, (block + 1) * BLOCK)
+                _requantise(held, fmt, span, rotation, keys=False, codebooks=codebooks)
             for layer, cached in enumerate(held):  # keys: once every block sharing their scales is cold
                 group = fmt.key_group(layer)
                 while cold_keys[layer] + group <= limit:
                     span = slice(cold_keys[layer] * BLOCK, (cold_keys[layer] + group) * BLOCK)
-                    _requantise([cached], fmt, span, rotation, keys=True, first_layer=layer, rope=rope)
+                    _requantise(
+                        [cached],
+                        fmt,
+                        span,
+                        rotation,
+                        keys=True,
+                        first_layer=layer,
+                        rope=rope,
+                        codebooks=codebooks,
+                    )
                     cold_keys[layer] += group
             cold_values = max(cold_values, limit)
     return torch.log_softmax(torch.cat(rows)[: len(ids) - prompt_len], dim=-1)
@@ -273,22 +359,25 @@ def rope_turn(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: fl
 def _requantise(
     held: list[Any], fmt: Format, span: slice, rotation: tuple[torch.Tensor | None, torch.Tensor | None], *,
     keys: bool, first_layer: int = 0, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    codebooks: Codebooks | None = None,
 ) -> None:  # fmt: skip
     """The keys (or the values) of `span` in the layers `held` (the first is `first_layer`),
-    fake-quantised in place at each layer's bits; with `rope`, keys before rotary embedding."""
+    fake-quantised in place at each layer's bits; with `rope`, keys before rotary embedding; with
+    `fmt.codebook`, 4-bit parts through the layer's `codebooks`."""
     for layer, cached in enumerate(held, start=first_layer):
         key_bits, value_bits = fmt.bits(layer)
+        levels = codebooks[layer] if fmt.codebook and codebooks is not None else None
         tensor = cached.keys if keys else cached.values
         part = tensor[0, :, span].transpose(0, 1)
         if keys and rope is not None and key_bits is not None:
             cos, sin = rope[0][span], rope[1][span]
             plain = rope_turn(part, cos, sin, -1.0)
-            quantised, _ = fake_quantise(plain, plain, key_bits, None, rotation)
+            quantised, _ = fake_quantise(plain, plain, key_bits, None, rotation, levels=levels)
             part = rope_turn(quantised, cos, sin, 1.0).to(part.dtype)
         elif keys:
-            part, _ = fake_quantise(part, part, key_bits, None, rotation)
+            part, _ = fake_quantise(part, part, key_bits, None, rotation, levels=levels)
         else:
-            _, part = fake_quantise(part, part, None, value_bits, rotation, fmt.value_clips)
+            _, part = fake_quantise(part, part, None, value_bits, rotation, fmt.value_clips, levels)
         tensor[0, :, span] = part.transpose(0, 1)
 
 
@@ -304,21 +393,24 @@ class Result:
     spec: dict[str, Any]
 
 
+def prompt_ids(tokenizer: Any, doc: dict[str, Any]) -> torch.Tensor:
+    """The document's narrative prompt, as the engine would read it."""
+    from prompts import render
+    from schemas import BUILT_IN_KINDS, Language, Polarity
+
+    polarity = Polarity(doc.get("label_polarity", "neutral"))
+    messages = render(BUILT_IN_KINDS[doc["kind"]], Language(doc["language"]), doc["text"], polarity).messages
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 def continuations(
     model: Any, tokenizer: Any, docs: list[dict[str, Any]], tokens: int
 ) -> list[tuple[torch.Tensor, int]]:
     """Each document's narrative prompt followed by the model's greedy continuation."""
-    from prompts import render
-    from schemas import BUILT_IN_KINDS, Language, Polarity
-
     out = []
     for doc in docs:
-        polarity = Polarity(doc.get("label_polarity", "neutral"))
-        messages = render(
-            BUILT_IN_KINDS[doc["kind"]], Language(doc["language"]), doc["text"], polarity
-        ).messages
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        prompt = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
+        prompt = prompt_ids(tokenizer, doc)
         with torch.inference_mode():
             ids = model.generate(prompt[None], max_new_tokens=tokens, do_sample=False)[0]
         out.append((ids, len(prompt)))
@@ -330,6 +422,10 @@ def main() -> None:
     parser.add_argument("--formats", default=",".join(FORMATS), help="comma-separated names of FORMATS")
     parser.add_argument("--docs", type=int, default=12, help="evenly spaced documents of the corpus")
     parser.add_argument("--tf-tokens", type=int, default=128)
+    parser.add_argument(
+        "--calibration-docs", type=int, default=6,
+        help="corpus documents (none of the evaluated ones) the codebook formats' levels are fitted on",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("bench/results/kv-formats.json"))
     parser.add_argument(
         "--dtype", choices=("auto", "bfloat16", "float32"), default="bfloat16",
@@ -353,6 +449,11 @@ def main() -> None:
     docs = load_corpus(args.docs)
     seqs = continuations(model, tokenizer, docs, args.tf_tokens)
     reference = [logprobs(model, ids, n, Format(quantise=False)) for ids, n in seqs]
+    codebooks = None
+    if any(FORMATS[name].codebook for name in names):
+        fitted = calibration_documents(docs, args.calibration_docs)
+        codebooks = calibrate(model, [(p, len(p)) for p in (prompt_ids(tokenizer, d) for d in fitted)])
+        console.print(f"codebooks fitted on {len(fitted)} documents: {[d['document_id'] for d in fitted]}")
     layers = model.config.num_hidden_layers
     head_dim = head_size(model.config)
     results = []
@@ -360,7 +461,7 @@ def main() -> None:
         fmt, began = FORMATS[name], time.perf_counter()
         kls, top1 = [], []
         for (ids, n), ref in zip(seqs, reference, strict=True):
-            test = logprobs(model, ids, n, fmt)
+            test = logprobs(model, ids, n, fmt, codebooks)
             kls.append(float((ref.exp() * (ref - test)).sum(-1).mean()))
             top1.append(float((ref.argmax(-1) == test.argmax(-1)).float().mean()))
         counted = statistics.median(counted_ratio(fmt, layers, head_dim, len(ids)) for ids, _ in seqs)
@@ -368,7 +469,7 @@ def main() -> None:
                               statistics.mean(top1), time.perf_counter() - began, asdict(fmt)))  # fmt: skip
         console.print(f"{name}: KL {results[-1].kl_mean:.5f}, bytes {results[-1].bytes_ratio:.3f} cold, "
                       f"{counted:.3f} counted")  # fmt: skip
-        write(args, docs, results)
+        write(args, docs, results, codebooks)
     table = Table("format", "cold bytes/token vs bf16", "counted", "KL mean", "top-1", "s",
                   title=f"KV formats by fake quantisation, {len(docs)} documents x {args.tf_tokens} tokens")  # fmt: skip
     for r in results:
@@ -384,13 +485,25 @@ def main() -> None:
     console.print(f"wrote {args.out}")
 
 
-def write(args: Any, docs: list[dict[str, Any]], results: list[Result]) -> None:
+def calibration_documents(evaluated: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
+    """`n` evenly spaced corpus documents that are not among those evaluated."""
+    from bench.kv_quality import load_corpus
+
+    taken = {d["document_id"] for d in evaluated}
+    rest = [d for d in load_corpus(None) if d["document_id"] not in taken]
+    return [rest[(2 * i + 1) * len(rest) // (2 * n)] for i in range(n)]
+
+
+def write(
+    args: Any, docs: list[dict[str, Any]], results: list[Result], codebooks: Codebooks | None = None
+) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "machine": {"threads": torch.get_num_threads(), "platform": platform.platform(), "torch": torch.__version__},
         "config": vars(args) | {"model": str(args.model), "out": str(args.out)},
         "documents": [d["document_id"] for d in docs],
         "results": [asdict(r) for r in results],
+        "codebooks": {layer: {"keys": k.tolist(), "values": v.tolist()} for layer, (k, v) in (codebooks or {}).items()},
     }, indent=1, ensure_ascii=False, default=str))  # fmt: skip
 
 

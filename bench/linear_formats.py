@@ -7,8 +7,11 @@ fp32 on an AVX2 EPYC), so the format the weights are multiplied in bounds the en
 Speed: one decoder layer's linear shapes (q, k, v, o, gate, up, down) at each of `--rows` rows (1:
 a lone decode; 32: a decode step's batch; 192: a prompt chunk; 512), every format in each of
 `--rounds` rounds, formats alternating; per format the median round: ms per layer and GFLOP/s.
+`--layers N` times a pass through N layers of distinct weights instead of one: with one layer
+the weights stay in the CPU's caches from pass to pass, with the model's count (24) each product
+reads them from memory, as an engine step does.
 
-Formats, all in fp32 activations:
+Formats, in fp32 activations but the last two:
 - `plain`: `nn.Linear` as transformers builds it (torch's default CPU path);
 - `packed`: `engine.linear.PackedLinear`, the weight reordered once for oneDNN (what the engine runs);
 - `int8`: weights int8 per output channel, activations quantised at run time (torch's dynamic
@@ -24,7 +27,10 @@ Formats, all in fp32 activations:
   llama.cpp's Q8_0 x Q8_0) consecutive input channels, per output channel and per row: the
   formats whose error an outlier channel spreads over its group only. Quality only, not timed:
   no CPU kernel here multiplies them (on a CPU without VNNI each group's int32 sum needs a
-  conversion and a scaled float add per output, work the size of the fp32 product it replaces).
+  conversion and a scaled float add per output, work the size of the fp32 product it replaces);
+- `plain-bf16`, `packed-bf16`: `plain` and `packed` with bf16 weights and activations, what the
+  engine multiplies in on a CPU with native bf16 (speed only: `--docs 0`, or they are left out of
+  the quality part).
 
 Every int8 format's quality is computed from its codes dequantised in fp32: the numbers an integer
 kernel gives, up to the fp32 rounding of the sum (an integer product of whole documents through
@@ -59,7 +65,7 @@ from torch import nn
 from bench import common
 from engine.linear import PackedLinear, can_pack, linear_targets
 
-FORMATS = ("plain", "packed", "int8", "int8-row", "int8-g128", "int8-g32")
+FORMATS = ("plain", "packed", "int8", "int8-row", "int8-g128", "int8-g32", "plain-bf16", "packed-bf16")
 UNTIMED = ("int8-g128", "int8-g32")  # no kernel: quality only
 
 
@@ -129,7 +135,11 @@ CONVERT: dict[str, Callable[[nn.Linear], nn.Module]] = {  # what is timed
     "packed": PackedLinear,
     "int8": int8_linear,
     "int8-row": RowInt8Linear,
+    # bf16 weights and activations (speed only): what the engine multiplies in on a bf16 CPU
+    "plain-bf16": lambda linear: copy.deepcopy(linear).to(torch.bfloat16),
+    "packed-bf16": lambda linear: PackedLinear(copy.deepcopy(linear).to(torch.bfloat16)),
 }
+BF16 = frozenset({"plain-bf16", "packed-bf16"})
 QUALITY: dict[str, Callable[[nn.Linear], nn.Module]] = CONVERT | {  # what reads the documents
     "int8-row": lambda linear: DequantisedInt8Linear(linear, None),
     "int8-g128": lambda linear: DequantisedInt8Linear(linear, 128),
@@ -181,21 +191,25 @@ def time_layer(modules: list[nn.Module], inputs: list[torch.Tensor], budget_s: f
 
 
 def speed(
-    config: Any, formats: list[str], rows: list[int], rounds: int, console: Console
+    config: Any, formats: list[str], rows: list[int], rounds: int, console: Console, layers: int = 1
 ) -> list[dict[str, Any]]:
+    """Per format and row count: ms per layer over a pass through `layers` layers of distinct
+    weights (1: one layer's, which stay in the CPU's caches from pass to pass; the model's layer
+    count: every product reads its weights from memory, as in an engine step)."""
     torch.manual_seed(0)
     shapes = layer_shapes(config)
-    plain = [nn.Linear(i, o) for i, o in shapes]
+    plain = [nn.Linear(i, o) for _ in range(layers) for i, o in shapes]
     modules = {fmt: [CONVERT[fmt](linear) for linear in plain] for fmt in formats}
     results = []
     for n in rows:
-        inputs = [torch.randn(n, i) for i, _ in shapes]
+        inputs = [torch.randn(n, i) for i, _ in shapes] * layers
+        bf16_inputs = [x.to(torch.bfloat16) for x in inputs]
         flops = sum(2 * n * i * o for i, o in shapes)
         seconds: dict[str, list[float]] = {fmt: [] for fmt in formats}
         for round_ in range(rounds):
             order = formats[round_ % len(formats) :] + formats[: round_ % len(formats)]
             for fmt in order:
-                seconds[fmt].append(time_layer(modules[fmt], inputs))
+                seconds[fmt].append(time_layer(modules[fmt], bf16_inputs if fmt in BF16 else inputs) / layers)
         for fmt in formats:
             s = statistics.median(seconds[fmt])
             results.append({"format": fmt, "rows": n, "ms_per_layer": s * 1e3, "gflop_s": flops / s / 1e9,
@@ -221,7 +235,7 @@ def quality(model: nn.Module, tokenizer: Any, formats: list[str], docs: list[dic
     reference = [logprobs(model, ids, n) for ids, n in seqs]
     results = []
     for fmt in formats:
-        if fmt == "plain":
+        if fmt == "plain" or fmt in BF16:
             continue
         converted, began = convert(model, fmt, QUALITY), time.perf_counter()
         kls, top1 = [], []
@@ -238,9 +252,15 @@ def quality(model: nn.Module, tokenizer: Any, formats: list[str], docs: list[dic
 
 def main() -> None:
     parser = common.parser(__doc__)
-    parser.add_argument("--formats", default=",".join(FORMATS))
+    parser.add_argument(
+        "--formats", default=",".join(f for f in FORMATS if f not in BF16), help="default: fp32 ones"
+    )
     parser.add_argument("--rows", default="1,32,192,512", help="rows per product (comma-separated)")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--layers", type=int, default=1,
+        help="layers of distinct weights per timed pass (1: cache-resident; the model's 24: read from memory)",
+    )  # fmt: skip
     parser.add_argument("--docs", type=int, default=8, help="evenly spaced documents (0: speed only)")
     parser.add_argument("--tf-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, default=Path("bench/results/linear-formats.json"))
@@ -254,9 +274,11 @@ def main() -> None:
     formats = common.names(parser, args.formats, FORMATS)
     if "packed" in formats and not can_pack(torch.device("cpu"), torch.float32):
         parser.error("this torch cannot pack fp32 weights for oneDNN here: leave out `packed`")
+    if "packed-bf16" in formats and not can_pack(torch.device("cpu"), torch.bfloat16):
+        parser.error("this CPU has no native bf16 for oneDNN: leave out `packed-bf16`")
     config = AutoConfig.from_pretrained(args.model)
     timed = [fmt for fmt in formats if fmt not in UNTIMED]
-    timings = speed(config, timed, [int(r) for r in args.rows.split(",")], args.rounds, console)
+    timings = speed(config, timed, [int(r) for r in args.rows.split(",")], args.rounds, console, args.layers)
     accuracy: list[dict[str, Any]] = []
     docs = load_corpus(args.docs) if args.docs else []
     if docs:
@@ -268,7 +290,7 @@ def main() -> None:
         accuracy = quality(model, tokenizer, formats, docs, args.tf_tokens, console)
     table = Table("format", *(f"{n} rows: ms/layer (GFLOP/s)" for n in sorted({t["rows"] for t in timings})),
                   "KL vs plain", "top-1 = plain",
-                  title=f"linear formats, fp32 activations, {torch.get_num_threads()} threads")  # fmt: skip
+                  title=f"linear formats, {torch.get_num_threads()} threads")  # fmt: skip
     for fmt in formats:
         cells = [f"{t['ms_per_layer']:.2f} ({t['gflop_s']:.0f})" for t in timings if t["format"] == fmt]
         cells = cells or ["not timed"] * len({t["rows"] for t in timings})

@@ -2,8 +2,8 @@
 (`deepanalyze run`: engine, default model), analyses out of Kafka.
 
 For each configuration - one request at a time (`DYNAMIC_BATCHING=false`), dynamic batching, and
-dynamic batching with `KV_COMPRESSION=true` (`dynamic_kv4`: at 4 bits, int8 in five layers, not run
-unless named) - a worker process of its own on topics of its own, the same KV pool size for all. The workers start together, and each reports its grammars compiled and
+dynamic batching with `KV_COMPRESSION=true` (`dynamic_kv4`: at 4 bits, int8 in five layers;
+`dynamic_kv4w0`: the same with no full-precision window; neither run unless named) - a worker process of its own on topics of its own, the same KV pool size for all. The workers start together, and each reports its grammars compiled and
 answers one unmeasured warm-up document; then, one configuration at a time while the others idle:
 the article's burst (one sender, 15 documents of different lengths back to back) on the idle
 worker, then a sweep of rising offered load (five departments, open-loop Poisson arrivals) that
@@ -68,6 +68,16 @@ CONFIGS = {  # name -> (label, environment)
     "dynamic_kv4": (  # issue 23's capacity profile: int4, int8 in the five layers that carry int4's error
         "dynamic batching + KV int4 (int8 in 5 layers)",
         {"dynamic_batching": True, "kv_compression": True, "kv_quant_bits": 4, "kv_int8_layers": SENSITIVE},
+    ),
+    "dynamic_kv4w0": (  # the same with no full-precision window (bench.kv_quality's int4+int8@5-w0, 0.40x)
+        "dynamic batching + KV int4 (int8 in 5 layers, no window)",
+        {
+            "dynamic_batching": True,
+            "kv_compression": True,
+            "kv_quant_bits": 4,
+            "kv_int8_layers": SENSITIVE,
+            "kv_residual_tokens": 0,
+        },
     ),
 }
 DEFAULT_CONFIGS = ("static", "dynamic", "dynamic_kv")  # the article's three

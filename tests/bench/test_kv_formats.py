@@ -10,9 +10,12 @@ from bench.kv_formats import (
     CLIPS,
     Format,
     bytes_ratio,
+    calibrate,
     clipped_round_trip,
+    codebook_round_trip,
     counted_ratio,
     fake_quantise,
+    lloyd_levels,
     logprobs,
     rope_turn,
     rotary_angles,
@@ -129,3 +132,47 @@ def test_pre_rope_int4_keys_disturb_the_distributions_and_leave_a_no_quantisatio
         model, ids, 64, Format(value_bits=None, pre_rope_keys=True, residual=0, sink_blocks=0)
     )
     assert not torch.allclose(pre_rope, reference)
+
+
+def test_a_codebook_of_even_levels_is_the_engines_min_max_quantiser() -> None:
+    torch.manual_seed(1)
+    keys = torch.randn(16, 2, 64) * torch.linspace(0.1, 4.0, 64)
+    values = torch.randn(16, 2, 64)
+    even = torch.linspace(0, 1, 16)
+    engine_keys, engine_values = fake_quantise(keys, values, 4, 4, (None, None))
+    torch.testing.assert_close(codebook_round_trip(keys, even, -3), engine_keys, rtol=0, atol=1e-5)
+    torch.testing.assert_close(codebook_round_trip(values, even, -1), engine_values, rtol=0, atol=1e-5)
+    coded_keys, coded_values = fake_quantise(keys, values, 4, 4, (None, None), levels=(even, even))
+    torch.testing.assert_close(coded_keys, engine_keys, rtol=0, atol=1e-5)
+    torch.testing.assert_close(coded_values, engine_values, rtol=0, atol=1e-5)
+
+
+def test_fitted_levels_keep_the_ends_and_cut_the_error_of_bell_shaped_samples() -> None:
+    samples = (torch.randn(20_000, generator=torch.Generator().manual_seed(2)) * 0.12 + 0.5).clamp(
+        0.001, 0.999
+    )
+    levels = lloyd_levels(samples)
+    assert levels[0] == 0 and levels[-1] == 1 and bool((levels.diff() > 0).all())
+
+    def error(grid: torch.Tensor) -> float:
+        nearest = grid[torch.bucketize(samples, (grid[1:] + grid[:-1]) / 2)]
+        return float((nearest - samples).square().mean())
+
+    assert error(levels) < 0.8 * error(torch.linspace(0, 1, 16))  # denser where the samples are
+    rows = samples[:6400].view(100, 64)  # each row's min and max are read back exactly
+    back = codebook_round_trip(rows, levels, -1)
+    torch.testing.assert_close(back.amin(-1), rows.amin(-1))
+    torch.testing.assert_close(back.amax(-1), rows.amax(-1))
+
+
+def test_calibration_fits_levels_for_every_layer_s_keys_and_values() -> None:
+    model = build_tiny("qwen2").model.eval()
+    ids = torch.randint(0, model.config.vocab_size, (70,), generator=torch.Generator().manual_seed(4))
+    books = calibrate(model, [(ids, 64)])
+    assert sorted(books) == list(range(model.config.num_hidden_layers))
+    for key_levels, value_levels in books.values():
+        for levels in (key_levels, value_levels):
+            assert levels.shape == (16,) and levels[0] == 0 and levels[-1] == 1
+    reference = logprobs(model, ids, 64, Format(quantise=False))
+    coded = logprobs(model, ids, 64, Format(codebook=True, residual=0, sink_blocks=0), books)
+    assert coded.shape == reference.shape and not torch.allclose(coded, reference)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from bench.linear_formats import CONVERT, QUALITY, DequantisedInt8Linear, RowInt8Linear, convert, layer_shapes
-from engine.linear import PackedLinear
+from engine.linear import PackedLinear, can_pack
 from engine.tiny import build_tiny
 
 
@@ -77,3 +77,15 @@ def test_a_group_scale_keeps_an_outlier_channels_error_inside_its_group() -> Non
     assert errors[32] < errors[None] / 2
     with pytest.raises(ValueError, match="groups of 32"):
         DequantisedInt8Linear(nn.Linear(40, 8), 32)
+
+
+def test_the_bf16_formats_multiply_in_bf16_from_a_copy_and_agree_with_each_other() -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48)
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        plain = CONVERT["plain-bf16"](linear)(x)
+        assert plain.dtype == torch.bfloat16 and linear.weight.dtype == torch.float32  # a copy converted
+        torch.testing.assert_close(plain.float(), linear(x.float()), rtol=0.05, atol=0.05)
+        if can_pack(torch.device("cpu"), torch.bfloat16):
+            torch.testing.assert_close(CONVERT["packed-bf16"](linear)(x), plain)

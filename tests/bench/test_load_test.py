@@ -25,6 +25,7 @@ from bench.load_test import (
     main,
     next_start,
 )
+from pipeline.settings import Settings
 
 
 def test_the_corpus_is_the_articles_range_of_lengths_in_both_languages_and_all_kinds() -> None:
@@ -122,8 +123,10 @@ def test_every_configuration_is_a_worker_setting_the_worker_accepts(name: str) -
     args = SimpleNamespace(kv_pool_mib=64, max_batch=8, model="/models/m", max_document_chars=8_000)
     settings = config_settings("localhost:9092", name, args)
     assert settings.kv_cache_bytes == 64 * 2**20 and settings.kv_compression == ("kv" in name)
-    if name == "dynamic_kv4":  # the capacity profile: 4 bits, the five sensitive layers at 8
+    if name.startswith("dynamic_kv4"):  # the capacity profiles: 4 bits, the five sensitive layers at 8
         assert settings.kv_quant_bits == 4 and settings.kv_int8_layers == (9, 11, 13, 16, 21)
+        window = 0 if name == "dynamic_kv4w0" else Settings().kv_residual_tokens
+        assert settings.kv_residual_tokens == window
     assert DEFAULT_CONFIGS == ("static", "dynamic", "dynamic_kv")  # what `make bench` runs
 
 
