@@ -19,10 +19,10 @@ yet a quantiser the engine has; the same bytes), or keys quantised before rotary
 (`pre_rope_keys`: turned back by the model's rotary angles first; not yet a store the engine has,
 the same bytes), or 4-bit codes indexing 16 levels fitted per layer to this model's keys and values
 (`codebook`: Lloyd-Max on `--calibration-docs` corpus documents the evaluation does not use, a
-group's min and max kept exact; not yet a store the engine has, the same bytes). Bytes per token are given twice: the cold blocks' exact bytes (codes, scales,
-offsets) over bf16's, and "counted" as `bench.kv_quality` counts a sequence's blocks at its last
-step (the sink blocks, the window and the block being written at full precision; median over the documents,
-prompt and continuation).
+group's min and max kept exact; not yet a store the engine has, the same bytes). Bytes per token
+are given twice: the cold blocks' exact bytes (codes, scales, offsets) over bf16's, and "counted"
+as `bench.kv_quality` counts a sequence's blocks at its last step (the sink blocks, the window and
+the block being written at full precision; median over the documents, prompt and continuation).
 No engine kernel is exercised: a format found here is built, then measured by `bench.kv_quality`.
 
     python -m bench.kv_formats --docs 12 --out bench/results/kv-formats-cpu.json
@@ -202,16 +202,31 @@ def clipped_round_trip(x: torch.Tensor, bits: int, clips: tuple[float, ...]) -> 
     return best.to(x.dtype)
 
 
+def unit_range(
+    x: torch.Tensor, dim: int, dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each group's min and span over `dim` (rounded to `dtype` when given, as a store holds them)
+    and x as (x - min) / span in [0, 1], all fp32."""
+    work = x.float()
+    low, high = work.amin(dim=dim, keepdim=True), work.amax(dim=dim, keepdim=True)
+    if dtype is not None:
+        low = low.to(dtype).float()
+    span = high - low if dtype is None else (high - low).to(dtype).float()
+    unit = ((work - low) / torch.where(span > 0, span, torch.ones_like(span))).clamp_(0, 1)
+    return low, span, unit
+
+
+def nearest_level(unit: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """The index of the level (ascending) nearest each entry of `unit`."""
+    return torch.bucketize(unit.contiguous(), (levels[1:] + levels[:-1]) / 2)
+
+
 def codebook_round_trip(x: torch.Tensor, levels: torch.Tensor, dim: int) -> torch.Tensor:
     """x quantised over `dim` (per channel over a block's tokens for keys, -3; per token for values,
     -1) to the nearest of `levels` between each group's min and max, scale and min held in x's
     dtype as the engine holds them, and dequantised."""
-    work = x.float()
-    low = work.amin(dim=dim, keepdim=True).to(x.dtype).float()
-    span = (work.amax(dim=dim, keepdim=True) - low).to(x.dtype).float()
-    unit = ((work - low) / torch.where(span > 0, span, torch.ones_like(span))).clamp_(0, 1).contiguous()
-    codes = torch.bucketize(unit, (levels[1:] + levels[:-1]) / 2)
-    return (low + levels[codes] * span).to(x.dtype)
+    low, span, unit = unit_range(x, dim, x.dtype)
+    return (low + levels[nearest_level(unit, levels)] * span).to(x.dtype)
 
 
 def lloyd_levels(samples: torch.Tensor, count: int = 16, rounds: int = 50) -> torch.Tensor:
@@ -220,7 +235,7 @@ def lloyd_levels(samples: torch.Tensor, count: int = 16, rounds: int = 50) -> to
     levels = torch.linspace(0, 1, count, dtype=torch.float64)
     data = samples.double().flatten()
     for _ in range(rounds):
-        nearest = torch.bucketize(data, (levels[1:] + levels[:-1]) / 2)
+        nearest = nearest_level(data, levels)
         sums = torch.zeros(count, dtype=torch.float64).index_add_(0, nearest, data)
         counts = torch.bincount(nearest, minlength=count).double()
         inner = torch.where(counts[1:-1] > 0, sums[1:-1] / counts[1:-1].clamp(min=1), levels[1:-1])
@@ -239,22 +254,20 @@ def calibrate(model: Any, seqs: list[tuple[torch.Tensor, int]]) -> Codebooks:
         for ids, prompt_len in seqs:
             cache = DynamicCache()
             model(input_ids=ids[None, :prompt_len], cache=cache, use_cache=True)
+            blocks = prompt_len // BLOCK
             for layer, held in enumerate(cast(list[Any], cache.layers)):
-                blocks = prompt_len // BLOCK
-                k = held.keys[0, :, : blocks * BLOCK].float()  # (KVH, T, D)
-                k = k.reshape(k.shape[0], blocks, BLOCK, -1)
-                keys.setdefault(layer, []).append(_unit(k, 2))
-                values.setdefault(layer, []).append(_unit(held.values[0].float(), -1))
+                k = held.keys[0, :, : blocks * BLOCK]  # (KVH, T, D)
+                keys.setdefault(layer, []).append(_inner(k.reshape(k.shape[0], blocks, BLOCK, -1), 2))
+                values.setdefault(layer, []).append(_inner(held.values[0], -1))
     return {
         layer: (lloyd_levels(torch.cat(keys[layer])), lloyd_levels(torch.cat(values[layer])))
         for layer in keys
     }
 
 
-def _unit(x: torch.Tensor, dim: int) -> torch.Tensor:
+def _inner(x: torch.Tensor, dim: int) -> torch.Tensor:
     """x's entries as (x - min) / (max - min) over `dim`, without each group's min and max."""
-    low, high = x.amin(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True)
-    unit = (x - low) / torch.where(high > low, high - low, torch.ones_like(low))
+    _, _, unit = unit_range(x, dim)
     return unit[(unit > 0) & (unit < 1)]
 
 

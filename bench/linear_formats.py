@@ -202,8 +202,8 @@ def speed(
     modules = {fmt: [CONVERT[fmt](linear) for linear in plain] for fmt in formats}
     results = []
     for n in rows:
-        inputs = [torch.randn(n, i) for i, _ in shapes] * layers
-        bf16_inputs = [x.to(torch.bfloat16) for x in inputs]
+        one_layer = [torch.randn(n, i) for i, _ in shapes]
+        inputs, bf16_inputs = one_layer * layers, [x.to(torch.bfloat16) for x in one_layer] * layers
         flops = sum(2 * n * i * o for i, o in shapes)
         seconds: dict[str, list[float]] = {fmt: [] for fmt in formats}
         for round_ in range(rounds):

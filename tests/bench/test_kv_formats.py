@@ -17,6 +17,7 @@ from bench.kv_formats import (
     fake_quantise,
     lloyd_levels,
     logprobs,
+    nearest_level,
     rope_turn,
     rotary_angles,
 )
@@ -155,7 +156,7 @@ def test_fitted_levels_keep_the_ends_and_cut_the_error_of_bell_shaped_samples() 
     assert levels[0] == 0 and levels[-1] == 1 and bool((levels.diff() > 0).all())
 
     def error(grid: torch.Tensor) -> float:
-        nearest = grid[torch.bucketize(samples, (grid[1:] + grid[:-1]) / 2)]
+        nearest = grid[nearest_level(samples, grid)]
         return float((nearest - samples).square().mean())
 
     assert error(levels) < 0.8 * error(torch.linspace(0, 1, 16))  # denser where the samples are
