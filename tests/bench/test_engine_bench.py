@@ -3,8 +3,11 @@ its variants run one after another on one model."""
 
 from __future__ import annotations
 
+import torch
+
 from bench.engine_bench import median_run, schedule
-from bench.engine_variants import Run, engine_run, hf_generate_batch
+from bench.engine_variants import Run, SeparateMLP, engine_run, hf_generate_batch, unfused
+from engine.linear import PackedGatedMLP, pack_linears
 from engine.tiny import build_tiny
 
 
@@ -12,7 +15,7 @@ def _run(variant: str, tok_s: float, round_: int = 0) -> Run:
     return Run(variant, "burst", 10.0, int(tok_s * 10), [1.0], [0.1], 0.0, round=round_)
 
 
-def test_every_variant_runs_once_and_only_the_headline_pair_repeats() -> None:
+def test_every_variant_runs_once_and_only_the_headline_pair_repeats_in_alternating_order() -> None:
     plan = schedule(["hf_generate_1", "hf_generate_batch", "engine_dynamic"], ["burst", "stream"], 3)
     first = [(v, s) for r, v, s in plan if r == 0]
     assert first == [
@@ -22,11 +25,9 @@ def test_every_variant_runs_once_and_only_the_headline_pair_repeats() -> None:
         ("hf_generate_1", "stream"),
         ("engine_dynamic", "stream"),
     ]
-    for round_ in (1, 2):  # each further round: the two headline runs, back to back
-        assert [(v, s) for r, v, s in plan if r == round_] == [
-            ("hf_generate_1", "burst"),
-            ("engine_dynamic", "burst"),
-        ]
+    # each further round: the two headline runs, back to back, in reverse order every other round
+    assert [(v, s) for r, v, s in plan if r == 1] == [("engine_dynamic", "burst"), ("hf_generate_1", "burst")]
+    assert [(v, s) for r, v, s in plan if r == 2] == [("hf_generate_1", "burst"), ("engine_dynamic", "burst")]
     assert schedule(["engine_dynamic"], ["stream"], 3) == [(0, "engine_dynamic", "stream")]
 
 
@@ -44,3 +45,21 @@ def test_transformers_batch_generation_runs_after_the_engine_on_the_same_model()
     ours = engine_run(tiny, prompts, 3, [0.0, 0.0], True, 2, 16, kv_cache_bytes=1 << 20)
     theirs = hf_generate_batch(tiny, prompts, 3)
     assert ours.tokens == theirs.tokens == 6
+
+
+def test_the_unfused_variant_takes_the_mlps_apart_for_its_run_only() -> None:
+    """What the fusion is measured against: the same packed weights, SiLU and the product in
+    passes of their own (the fp32 logits unchanged), and the fused MLPs back afterwards."""
+    tiny = build_tiny()
+    assert pack_linears(tiny.model, torch.device("cpu"), torch.float32) > 0
+    layers = tiny.model.model.layers
+    fused = [layer.mlp for layer in layers]
+    assert all(isinstance(mlp, PackedGatedMLP) for mlp in fused)
+    ids = torch.tensor([[5, 17, 42, 99, 3]])
+    with torch.inference_mode():
+        expected = tiny.model(ids).logits
+        with unfused(tiny) as count:
+            assert count == len(layers)
+            assert all(isinstance(layer.mlp, SeparateMLP) for layer in layers)
+            torch.testing.assert_close(tiny.model(ids).logits, expected)
+    assert [layer.mlp for layer in layers] == fused
