@@ -13,8 +13,6 @@ threads, greedy):
      when named in --variants): the throughput cost of quantised KV blocks at equal batch size
   8. engine_dynamic_unpacked  (5) with PREPACK_WEIGHTS=false (only when named in --variants): what
      reordering the bf16 weights once for oneDNN is worth (no difference in fp32)
-  9. engine_dynamic_unfused  (5) with the packed MLPs' SiLU and gate product in passes of their
-     own (only when named in --variants): what fusing them into the products is worth
 Scenarios: `burst` (every request arrives at t=0) and `stream` (open-loop Poisson arrivals; the
 one-at-a-time generate serves them in arrival order; static batches and `generate_batch` cannot
 take a stream and run the burst only).
@@ -24,8 +22,8 @@ another's heap: `generate_batch` alone grows this process past 10 GiB.
 This machine's timings vary by several per cent from run to run, so the runs the headline ratios
 rest on (one-at-a-time `generate` and our engine on the burst, and the TTFT isolation) run in
 `--repeats` rounds, each round's two runs back to back (in reverse order every other round): the
-ratio is taken within each round and the report gives the median round (and every round in the JSON); the table shows each variant's
-median run. Every other run happens once.
+ratio is taken within each round and the report gives the median round (and every round in the
+JSON); the table shows each variant's median run. Every other run happens once.
 On a GPU host, `--random-shape llama3-8b --tokenizer DIR` runs a Llama-3-8B-shaped model with
 random weights (`bench.random_model`: real speed and KV bytes, no download); `bench/cuda_check.sh`
 is the prepared GPU run.
@@ -42,7 +40,6 @@ import platform
 import subprocess
 import sys
 import tempfile
-from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -54,7 +51,6 @@ from rich.table import Table
 from bench import common
 from bench.engine_variants import (
     ENGINE_VARIANTS,
-    UNFUSED_VARIANTS,
     UNPACKED_VARIANTS,
     WARM_UP_IDS,
     PeakRSS,
@@ -65,7 +61,6 @@ from bench.engine_variants import (
     hf_generate_batch,
     load_prompts,
     ttft_isolation,
-    unfused,
 )
 from bench.random_model import SHAPES, build_random
 from engine import EngineConfig
@@ -82,10 +77,7 @@ def _median(values: list[float]) -> float:
 VARIANTS = ("hf_generate_1", "hf_generate_static4", "hf_generate_batch", *ENGINE_VARIANTS)
 BURST_ONLY = ("hf_generate_static4", "hf_generate_batch")  # they cannot take a stream
 # Repeated: the ratios rest on them (the unpacked variant's against engine_dynamic).
-HEADLINE = (
-    ("hf_generate_1", "burst"), ("engine_dynamic", "burst"), ("engine_dynamic_unpacked", "burst"),
-    ("engine_dynamic_unfused", "burst"),
-)  # fmt: skip
+HEADLINE = (("hf_generate_1", "burst"), ("engine_dynamic", "burst"), ("engine_dynamic_unpacked", "burst"))
 
 
 def planned(variants: list[str], scenarios: list[str]) -> list[tuple[str, str]]:
@@ -232,12 +224,9 @@ def main() -> None:
             if not unpacked:
                 unpacked.append(load_model(args.model, dtype=args.dtype, prepack_weights=False))
             model = unpacked[0]
-        with unfused(model) if variant in UNFUSED_VARIANTS else nullcontext(-1) as taken_apart:
-            if not taken_apart:
-                raise SystemExit(f"{variant}: this model has no fused MLPs to take apart")
-            return engine_run(
-                model, prompts, n, at[scenario], dynamic, args.max_batch, args.step_tokens, prefix, pool, bits
-            )
+        return engine_run(
+            model, prompts, n, at[scenario], dynamic, args.max_batch, args.step_tokens, prefix, pool, bits
+        )
 
     cuda = loaded.device.type == "cuda"
     if cuda:  # one-off CUDA start-up costs (cuBLAS, kernels) go unmeasured

@@ -8,7 +8,9 @@ a process of its own.
         --out bench/results/engine-profile-cpu.json
 
 The profiler's own overhead inflates small operators; compare shares between dtypes and with
-the engine bench's wall time, not the profiled wall time with an unprofiled one.
+the engine bench's wall time, not the profiled wall time with an unprofiled one. `--replay N`
+then times the weights' products inside one more unprofiled burst and replays the same products
+alone N times in the same process: whether a product costs more inside a step than outside it.
 """
 
 from __future__ import annotations
@@ -97,7 +99,9 @@ def profile_child(args: Any) -> dict[str, Any]:
         for e in prof.key_averages()
         if e.self_cpu_time_total > 0
     ]
+    replay = replay_products(loaded, prompts, at, args) if args.replay else None
     return {
+        "replay": replay,
         "dtype": str(loaded.dtype),
         "threads": torch.get_num_threads(),
         "tok_s": plain.tokens / plain.wall_s,
@@ -110,6 +114,51 @@ def profile_child(args: Any) -> dict[str, Any]:
     }
 
 
+def replay_products(loaded: Any, prompts: list[list[int]], at: list[float], args: Any) -> dict[str, Any]:
+    """The burst once more with every packed product timed where it runs (a wrapper around
+    `PackedLinear.forward`, no profiler), then the same products (same modules, same row counts,
+    same order) replayed back to back outside the engine, `args.replay` times: whether a product
+    costs more inside a step than alone. Seconds each; run in one process, minutes apart at most."""
+    import torch
+
+    from bench.engine_variants import engine_run
+    from engine.linear import PackedLinear
+
+    calls: list[tuple[PackedLinear, int]] = []
+    inside = 0.0
+    forward = PackedLinear.forward
+
+    def timed(self: PackedLinear, x: torch.Tensor) -> torch.Tensor:
+        nonlocal inside
+        start = time.perf_counter()
+        out = forward(self, x)
+        inside += time.perf_counter() - start
+        calls.append((self, x.numel() // x.shape[-1]))
+        return out
+
+    PackedLinear.forward = timed  # type: ignore[method-assign]
+    try:
+        run = engine_run(
+            loaded, prompts, args.new_tokens, at, True, args.max_batch, args.step_tokens, True, 1 << 30
+        )
+    finally:
+        PackedLinear.forward = forward  # type: ignore[method-assign]
+    inputs: dict[tuple[int, int], torch.Tensor] = {}
+    replayed = []
+    with torch.inference_mode():
+        for _ in range(args.replay):
+            total = 0.0
+            for module, rows in calls:
+                shape = (rows, module.in_features)
+                if shape not in inputs:
+                    inputs[shape] = torch.randn(1, *shape, dtype=loaded.dtype)
+                start = time.perf_counter()
+                module(inputs[shape])
+                total += time.perf_counter() - start
+            replayed.append(total)
+    return {"calls": len(calls), "wall_s": run.wall_s, "inside_s": inside, "replayed_s": replayed}
+
+
 def main() -> None:
     parser = common.parser(__doc__)
     parser.add_argument("--dtypes", default="bfloat16,float32")
@@ -118,6 +167,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--max-batch", type=int, default=32)
     parser.add_argument("--step-tokens", type=int, default=192)
+    parser.add_argument(
+        "--replay", type=int, default=0,
+        help="after profiling, time the products inside the engine unprofiled and replay them this many times alone",
+    )  # fmt: skip
     parser.add_argument("--child-out", type=Path, help="(a child: where its JSON goes)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/engine-profile.json"))
     args = parser.parse_args()
@@ -132,7 +185,8 @@ def main() -> None:
             subprocess.run(
                 [sys.executable, "-m", "bench.engine_profile", "--dtype", dtype, "--docs", str(args.docs),
                  "--new-tokens", str(args.new_tokens), "--max-batch", str(args.max_batch),
-                 "--step-tokens", str(args.step_tokens), "--model", str(args.model), "--child-out", str(out)],
+                 "--step-tokens", str(args.step_tokens), "--model", str(args.model), "--child-out", str(out),
+                 "--replay", str(args.replay)],
                 check=True,
             )  # fmt: skip
             runs.append(json.loads(out.read_text()))
@@ -155,6 +209,11 @@ def main() -> None:
     table.add_row("tok/s unprofiled", *(f"{r['tok_s']:.1f}" for r in runs))
     console.print(table)
     for run in runs:
+        if run["replay"]:
+            r = run["replay"]
+            console.print(f"{run['dtype']}: {r['calls']} products, {r['inside_s']:.1f} s inside the engine "
+                          f"(burst {r['wall_s']:.1f} s), replayed alone: "
+                          + ", ".join(f"{t:.1f} s" for t in r["replayed_s"]))  # fmt: skip
         console.print(f"{run['dtype']}: top operators " + ", ".join(
             f"{op['name']} {op['self_s']:.1f} s" for op in run["ops"][:8]))  # fmt: skip
         run["ops"] = run["ops"][:40]

@@ -10,8 +10,7 @@ import json
 import random
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -291,40 +290,6 @@ def ttft_isolation(
 # Our engine's variants: (DYNAMIC_BATCHING, prefix caching, KV bits; 16 = uncompressed).
 ENGINE_VARIANTS = {"engine_static": (False, True, 16), "engine_dynamic": (True, True, 16),
                    "engine_dynamic_noprefix": (True, False, 16), "engine_dynamic_int8": (True, True, 8),
-                   "engine_dynamic_int4": (True, True, 4), "engine_dynamic_unpacked": (True, True, 16),
-                   "engine_dynamic_unfused": (True, True, 16)}  # fmt: skip
+                   "engine_dynamic_int4": (True, True, 4), "engine_dynamic_unpacked": (True, True, 16)}  # fmt: skip
 # Variants whose model keeps `nn.Linear` (PREPACK_WEIGHTS=false): what prepacking is worth.
 UNPACKED_VARIANTS = frozenset({"engine_dynamic_unpacked"})
-# Variants whose packed MLPs compute SiLU and the gate's product apart, as transformers' MLP does:
-# what fusing them into the products (`engine.linear.PackedGatedMLP`) is worth.
-UNFUSED_VARIANTS = frozenset({"engine_dynamic_unfused"})
-
-
-class SeparateMLP(torch.nn.Module):
-    """transformers' gated MLP, `down(silu(gate(x)) * up(x))`, over a fused MLP's packed projections:
-    the element-wise work in passes of its own, as before the fusion."""
-
-    def __init__(self, fused: torch.nn.Module) -> None:
-        super().__init__()
-        self.gate_proj, self.up_proj, self.down_proj = fused.gate_proj, fused.up_proj, fused.down_proj
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
-        return out
-
-
-@contextmanager
-def unfused(loaded: LoadedModel) -> Iterator[int]:
-    """Within: the model's fused MLPs replaced by `SeparateMLP`s over the same weights (how many is
-    yielded); restored afterwards."""
-    from engine.linear import PackedGatedMLP
-
-    layers = loaded.model.get_decoder().layers
-    fused = {i: layer.mlp for i, layer in enumerate(layers) if isinstance(layer.mlp, PackedGatedMLP)}
-    for i, mlp in fused.items():
-        layers[i].mlp = SeparateMLP(mlp)
-    try:
-        yield len(fused)
-    finally:
-        for i, mlp in fused.items():
-            layers[i].mlp = mlp

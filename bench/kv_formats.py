@@ -265,6 +265,38 @@ def calibrate(model: Any, seqs: list[tuple[torch.Tensor, int]]) -> Codebooks:
     }
 
 
+def round_trip_errors(
+    model: Any, seqs: list[tuple[torch.Tensor, int]], codebooks: Codebooks
+) -> dict[str, float]:
+    """Squared error of the 4-bit round trip, summed over every block of these sequences' prompts
+    and every layer, per part (keys, values) and grid (`uniform`: the engine's, `codebook`): what
+    the fitted levels change in the quantiser's own error, before the model sees it."""
+    from transformers import DynamicCache
+
+    errors: dict[str, float] = {}
+    with torch.inference_mode():
+        for ids, prompt_len in seqs:
+            cache = DynamicCache()
+            model(input_ids=ids[None, :prompt_len], cache=cache, use_cache=True)
+            blocks = prompt_len // BLOCK
+            for layer, held in enumerate(cast(list[Any], cache.layers)):
+                for part, tensor in (("keys", held.keys), ("values", held.values)):
+                    x = tensor[0, :, : blocks * BLOCK].transpose(0, 1)  # (T, KVH, D)
+                    grouped = x.reshape(blocks, BLOCK, *x.shape[1:])
+                    for grid in ("uniform", "codebook"):
+                        levels = codebooks[layer] if grid == "codebook" else None
+                        out = torch.stack([
+                            fake_quantise(b, b, 4, None, (None, None), levels=levels)[0] if part == "keys"
+                            else fake_quantise(b, b, None, 4, (None, None), levels=levels)[1]
+                            for b in grouped
+                        ])  # fmt: skip
+                        key = f"{part} {grid}"
+                        errors[key] = errors.get(key, 0.0) + float(
+                            (out.float() - grouped.float()).square().sum()
+                        )
+    return errors
+
+
 def _inner(x: torch.Tensor, dim: int) -> torch.Tensor:
     """x's entries as (x - min) / (max - min) over `dim`, without each group's min and max."""
     _, _, unit = unit_range(x, dim)
@@ -462,11 +494,14 @@ def main() -> None:
     docs = load_corpus(args.docs)
     seqs = continuations(model, tokenizer, docs, args.tf_tokens)
     reference = [logprobs(model, ids, n, Format(quantise=False)) for ids, n in seqs]
-    codebooks = None
+    codebooks, errors = None, None
     if any(FORMATS[name].codebook for name in names):
         fitted = calibration_documents(docs, args.calibration_docs)
         codebooks = calibrate(model, [(p, len(p)) for p in (prompt_ids(tokenizer, d) for d in fitted)])
         console.print(f"codebooks fitted on {len(fitted)} documents: {[d['document_id'] for d in fitted]}")
+        errors = round_trip_errors(model, seqs, codebooks)
+        console.print("4-bit round trip, squared error on the evaluated prompts, codebook / uniform: " + ", ".join(
+            f"{part} {errors[f'{part} codebook'] / errors[f'{part} uniform']:.3f}" for part in ("keys", "values")))  # fmt: skip
     layers = model.config.num_hidden_layers
     head_dim = head_size(model.config)
     results = []
@@ -482,7 +517,7 @@ def main() -> None:
                               statistics.mean(top1), time.perf_counter() - began, asdict(fmt)))  # fmt: skip
         console.print(f"{name}: KL {results[-1].kl_mean:.5f}, bytes {results[-1].bytes_ratio:.3f} cold, "
                       f"{counted:.3f} counted")  # fmt: skip
-        write(args, docs, results, codebooks)
+        write(args, docs, results, codebooks, errors)
     table = Table("format", "cold bytes/token vs bf16", "counted", "KL mean", "top-1", "s",
                   title=f"KV formats by fake quantisation, {len(docs)} documents x {args.tf_tokens} tokens")  # fmt: skip
     for r in results:
@@ -508,8 +543,9 @@ def calibration_documents(evaluated: list[dict[str, Any]], n: int) -> list[dict[
 
 
 def write(
-    args: Any, docs: list[dict[str, Any]], results: list[Result], codebooks: Codebooks | None = None
-) -> None:
+    args: Any, docs: list[dict[str, Any]], results: list[Result], codebooks: Codebooks | None = None,
+    errors: dict[str, float] | None = None,
+) -> None:  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "machine": {"threads": torch.get_num_threads(), "platform": platform.platform(), "torch": torch.__version__},
@@ -517,6 +553,7 @@ def write(
         "documents": [d["document_id"] for d in docs],
         "results": [asdict(r) for r in results],
         "codebooks": {layer: {"keys": k.tolist(), "values": v.tolist()} for layer, (k, v) in (codebooks or {}).items()},
+        "round_trip_errors": errors,
     }, indent=1, ensure_ascii=False, default=str))  # fmt: skip
 
 

@@ -1,14 +1,17 @@
-"""What fusing the gated MLP's element-wise work into its products is worth, outside the engine.
+"""Whether to fuse the gated MLP's element-wise work into its packed products: measured, not built.
 
-The engine runs each decoder layer's gated SiLU MLP as `engine.linear.PackedGatedMLP`: SiLU as a
-post-op of the gate's packed product and the product with the gate as a post-op of the up
-projection's (oneDNN), where transformers' MLP (`bench.engine_variants.SeparateMLP` over the same
-packed weights) makes two passes of its own over the intermediate width. Both are timed here over
-`--layers` layers of distinct random weights of the model's shape (so each product reads its
-weights from memory, as an engine step does) at each of `--rows` rows, alternating within each of
-`--rounds` rounds; per variant and row count the median round, in ms per layer. Random weights:
-the speed of a product does not depend on its values. The engine-level A/B is `python -m
-bench.engine_bench --variants engine_dynamic,engine_dynamic_unfused`.
+vLLM's CPU path runs SiLU-and-multiply as one fused kernel; oneDNN can do it as post-ops of the
+packed products the engine already runs (`engine.linear.PackedLinear`): SiLU as a post-op of the
+gate's product (`swish`) and the product with the gate as a post-op of the up projection's
+(binary `mul`), where transformers' MLP makes two passes of its own over the intermediate width.
+`FusedMLP` does that; `SeparateMLP` is transformers' MLP over the same packed weights (what the
+engine runs). Both are timed over `--layers` layers of distinct random weights of the model's shape
+(so each product reads its weights from memory, as an engine step does) at each of `--rows` rows,
+alternating within each of `--rounds` rounds; per variant and row count the median round, in ms
+per layer. Random weights: a product's speed does not depend on its values. On the 2-core AMX
+machine the difference stayed within its noise (README, issue 22), so the engine keeps
+transformers' MLP; the engine-level A/B ran as `bench.engine_bench`'s `engine_dynamic_unfused`
+in commit ed1e181, where the fusion was the engine's.
 
     python -m bench.mlp_fusion --rows 8,32,192 --rounds 7 --out bench/results/mlp-fusion-cpu.json
 """
@@ -27,13 +30,36 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import common
-from bench.engine_variants import SeparateMLP
-from engine.linear import PackedGatedMLP, PackedLinear, can_pack
+from engine.linear import PackedLinear, can_pack
 
 VARIANTS = ("separate", "fused")
 
 
-def build_layers(hidden: int, intermediate: int, layers: int, dtype: torch.dtype) -> list[PackedGatedMLP]:
+class SeparateMLP(torch.nn.Module):
+    """transformers' gated SiLU MLP, `down(silu(gate(x)) * up(x))`, over packed projections."""
+
+    def __init__(self, gate_proj: PackedLinear, up_proj: PackedLinear, down_proj: PackedLinear) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out
+
+
+class FusedMLP(SeparateMLP):
+    """The same MLP with SiLU and the product with the gate as oneDNN post-ops of the gate's and the
+    up projection's products: no pass of their own over the intermediate width."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_proj, self.up_proj
+        activated = torch.ops.mkldnn._linear_pointwise(x, gate.packed, gate.bias, "swish", [], "")
+        hidden = torch.ops.mkldnn._linear_pointwise.binary(x, activated, up.packed, up.bias, "mul")
+        out: torch.Tensor = self.down_proj(hidden)
+        return out
+
+
+def build_layers(hidden: int, intermediate: int, layers: int, dtype: torch.dtype) -> list[FusedMLP]:
     """`layers` fused MLPs of random weights (scaled as an initialised model's) in `dtype`."""
 
     def packed(out_features: int, in_features: int) -> PackedLinear:
@@ -42,18 +68,15 @@ def build_layers(hidden: int, intermediate: int, layers: int, dtype: torch.dtype
         return PackedLinear(linear.to(dtype))
 
     return [
-        PackedGatedMLP(
-            packed(intermediate, hidden), packed(intermediate, hidden), packed(hidden, intermediate)
-        )
+        FusedMLP(packed(intermediate, hidden), packed(intermediate, hidden), packed(hidden, intermediate))
         for _ in range(layers)
     ]
 
 
-def time_rows(
-    mlps: list[PackedGatedMLP], rows: int, rounds: int, dtype: torch.dtype
-) -> dict[str, list[float]]:
+def time_rows(mlps: list[FusedMLP], rows: int, rounds: int, dtype: torch.dtype) -> dict[str, list[float]]:
     """ms per layer of one pass through `mlps` at `rows` rows, each variant in each round."""
-    variants = {"separate": [SeparateMLP(m) for m in mlps], "fused": mlps}
+    separate = [SeparateMLP(m.gate_proj, m.up_proj, m.down_proj) for m in mlps]
+    variants: dict[str, list[SeparateMLP]] = {"separate": separate, "fused": list(mlps)}
     x = torch.randn(1, rows, mlps[0].gate_proj.in_features, dtype=dtype)
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     with torch.inference_mode():

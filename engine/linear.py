@@ -43,49 +43,6 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
 
 
-# Gated MLPs whose forward is `down_proj(act_fn(gate_proj(x)) * up_proj(x))` (transformers' classes)
-GATED_MLPS = frozenset({"Qwen2MLP", "LlamaMLP", "MistralMLP", "Qwen3MLP"})
-SILU = frozenset({"SiLU", "SiLUActivation"})
-
-
-class PackedGatedMLP(nn.Module):
-    """A gated MLP with SiLU, `down(silu(gate(x)) * up(x))`, on packed weights, its element-wise work
-    fused into the products as oneDNN post-ops: SiLU into the gate's, the product with the gate
-    into the up projection's. Neither makes a pass of its own over the intermediate width (4,864
-    at 0.5B), and one fewer (T, 4864) tensor is written and read again. Keeps the three packed
-    projections under their names (`gate_proj`, `up_proj`, `down_proj`)."""
-
-    def __init__(self, gate_proj: PackedLinear, up_proj: PackedLinear, down_proj: PackedLinear) -> None:
-        super().__init__()
-        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj, self.up_proj
-        activated = torch.ops.mkldnn._linear_pointwise(x, gate.packed, gate.bias, "swish", [], "")
-        hidden = torch.ops.mkldnn._linear_pointwise.binary(x, activated, up.packed, up.bias, "mul")
-        return self.down_proj(hidden)  # type: ignore[no-any-return]
-
-
-def fuse_gated_mlps(model: nn.Module) -> int:
-    """Replaces each decoder layer's gated SiLU MLP whose three projections are packed by a
-    `PackedGatedMLP` over the same packed weights (no copy); returns how many. Any other MLP (other
-    activations, other forwards, unpacked weights) keeps its module: the fallback."""
-    layers = getattr(getattr(model, "model", model), "layers", None) or []
-    fused = 0
-    for layer in layers:
-        mlp = getattr(layer, "mlp", None)
-        parts = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
-        packed = [part for part in parts if isinstance(part, PackedLinear)]
-        if (
-            type(mlp).__name__ in GATED_MLPS
-            and type(getattr(mlp, "act_fn", None)).__name__ in SILU
-            and len(packed) == len(parts)
-        ):
-            layer.mlp = PackedGatedMLP(*packed)
-            fused += 1
-    return fused
-
-
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     if device.type != "cpu" or not torch._C._has_mkldnn:
         return False
@@ -122,8 +79,7 @@ def pack_linears(
     model: nn.Module, device: torch.device, dtype: torch.dtype, weights_folder: Path | None = None
 ) -> int:
     """Replaces the decoder layers' `nn.Linear` modules and the output head by `PackedLinear`
-    where `can_pack`, and gated SiLU MLPs by `PackedGatedMLP` (`fuse_gated_mlps`); returns how
-    many linear modules were replaced (none if oneDNN refuses the first: some
+    where `can_pack`; returns how many were replaced (none if oneDNN refuses the first: some
     builds cannot reorder on every CPU, and a half-packed model would be no faster).
 
     A head tied to the embeddings (small models) gets a packed copy of the vocabulary matrix
@@ -158,11 +114,7 @@ def pack_linears(
     for parent, name in targets[1:]:  # one at a time: each plain weight is freed before the next
         setattr(parent, name, PackedLinear(getattr(parent, name)))
         release_freed_heap()  # at once, or the peak holds both copies of most weights
-    fused = fuse_gated_mlps(model)
-    log.info(
-        "packed %d linear weights for oneDNN (%s), SiLU and the gate's product fused in %d MLPs",
-        len(targets), str(dtype).removeprefix("torch."), fused,
-    )  # fmt: skip
+    log.info("packed %d linear weights for oneDNN (%s)", len(targets), str(dtype).removeprefix("torch."))
     if weights_folder is not None:
         reclaim_mapped_pages(weights_folder)
     return len(targets)

@@ -3,11 +3,8 @@ its variants run one after another on one model."""
 
 from __future__ import annotations
 
-import torch
-
 from bench.engine_bench import median_run, schedule
-from bench.engine_variants import Run, SeparateMLP, engine_run, hf_generate_batch, unfused
-from engine.linear import PackedGatedMLP, pack_linears
+from bench.engine_variants import Run, engine_run, hf_generate_batch
 from engine.tiny import build_tiny
 
 
@@ -45,21 +42,3 @@ def test_transformers_batch_generation_runs_after_the_engine_on_the_same_model()
     ours = engine_run(tiny, prompts, 3, [0.0, 0.0], True, 2, 16, kv_cache_bytes=1 << 20)
     theirs = hf_generate_batch(tiny, prompts, 3)
     assert ours.tokens == theirs.tokens == 6
-
-
-def test_the_unfused_variant_takes_the_mlps_apart_for_its_run_only() -> None:
-    """What the fusion is measured against: the same packed weights, SiLU and the product in
-    passes of their own (the fp32 logits unchanged), and the fused MLPs back afterwards."""
-    tiny = build_tiny()
-    assert pack_linears(tiny.model, torch.device("cpu"), torch.float32) > 0
-    layers = tiny.model.model.layers
-    fused = [layer.mlp for layer in layers]
-    assert all(isinstance(mlp, PackedGatedMLP) for mlp in fused)
-    ids = torch.tensor([[5, 17, 42, 99, 3]])
-    with torch.inference_mode():
-        expected = tiny.model(ids).logits
-        with unfused(tiny) as count:
-            assert count == len(layers)
-            assert all(isinstance(layer.mlp, SeparateMLP) for layer in layers)
-            torch.testing.assert_close(tiny.model(ids).logits, expected)
-    assert [layer.mlp for layer in layers] == fused

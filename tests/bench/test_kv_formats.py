@@ -20,6 +20,7 @@ from bench.kv_formats import (
     nearest_level,
     rope_turn,
     rotary_angles,
+    round_trip_errors,
 )
 from engine.kv_cache import ColdStore, KVShape
 from engine.kv_quant import QuantFormat, hadamard
@@ -177,3 +178,18 @@ def test_calibration_fits_levels_for_every_layer_s_keys_and_values() -> None:
     reference = logprobs(model, ids, 64, Format(quantise=False))
     coded = logprobs(model, ids, 64, Format(codebook=True, residual=0, sink_blocks=0), books)
     assert coded.shape == reference.shape and not torch.allclose(coded, reference)
+
+
+def test_round_trip_errors_equal_for_even_levels_and_lower_for_levels_fitted_to_the_same_prompts() -> None:
+    model = build_tiny("qwen2").model.eval()
+    ids = torch.randint(0, model.config.vocab_size, (70,), generator=torch.Generator().manual_seed(5))
+    layers = range(model.config.num_hidden_layers)
+    even = torch.linspace(0, 1, 16)
+    errors = round_trip_errors(model, [(ids, 64)], dict.fromkeys(layers, (even, even)))
+    assert set(errors) == {"keys uniform", "keys codebook", "values uniform", "values codebook"}
+    for part in ("keys", "values"):
+        assert errors[f"{part} uniform"] > 0
+        assert errors[f"{part} codebook"] == pytest.approx(errors[f"{part} uniform"], rel=1e-4)
+    fitted = round_trip_errors(model, [(ids, 64)], calibrate(model, [(ids, 64)]))
+    for part in ("keys", "values"):  # Lloyd-Max on these very groups: never worse than even levels
+        assert fitted[f"{part} codebook"] <= fitted[f"{part} uniform"] * 1.001
