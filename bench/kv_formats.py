@@ -34,6 +34,7 @@ import json
 import platform
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
@@ -246,19 +247,12 @@ def lloyd_levels(samples: torch.Tensor, count: int = 16, rounds: int = 50) -> to
 def calibrate(model: Any, seqs: list[tuple[torch.Tensor, int]]) -> Codebooks:
     """Each layer's 4-bit key and value levels, fitted to the groups the cold store quantises in
     these sequences' prompts: keys per channel over 16-token blocks, values per token."""
-    from transformers import DynamicCache
-
     keys: dict[int, list[torch.Tensor]] = {}
     values: dict[int, list[torch.Tensor]] = {}
-    with torch.inference_mode():
-        for ids, prompt_len in seqs:
-            cache = DynamicCache()
-            model(input_ids=ids[None, :prompt_len], cache=cache, use_cache=True)
-            blocks = prompt_len // BLOCK
-            for layer, held in enumerate(cast(list[Any], cache.layers)):
-                k = held.keys[0, :, : blocks * BLOCK]  # (KVH, T, D)
-                keys.setdefault(layer, []).append(_inner(k.reshape(k.shape[0], blocks, BLOCK, -1), 2))
-                values.setdefault(layer, []).append(_inner(held.values[0], -1))
+    for layer, held, blocks in prompt_caches(model, seqs):
+        k = held.keys[0, :, : blocks * BLOCK]  # (KVH, T, D)
+        keys.setdefault(layer, []).append(_inner(k.reshape(k.shape[0], blocks, BLOCK, -1), 2))
+        values.setdefault(layer, []).append(_inner(held.values[0], -1))
     return {
         layer: (lloyd_levels(torch.cat(keys[layer])), lloyd_levels(torch.cat(values[layer])))
         for layer in keys
@@ -271,30 +265,34 @@ def round_trip_errors(
     """Squared error of the 4-bit round trip, summed over every block of these sequences' prompts
     and every layer, per part (keys, values) and grid (`uniform`: the engine's, `codebook`): what
     the fitted levels change in the quantiser's own error, before the model sees it."""
+    errors: dict[str, float] = {}
+    for layer, held, blocks in prompt_caches(model, seqs):
+        for part, tensor in (("keys", held.keys), ("values", held.values)):
+            x = tensor[0, :, : blocks * BLOCK].transpose(0, 1)  # (T, KVH, D)
+            grouped = x.reshape(blocks, BLOCK, *x.shape[1:])
+            for grid in ("uniform", "codebook"):
+                levels = codebooks[layer] if grid == "codebook" else None
+                out = torch.stack([
+                    fake_quantise(b, b, 4, None, (None, None), levels=levels)[0] if part == "keys"
+                    else fake_quantise(b, b, None, 4, (None, None), levels=levels)[1]
+                    for b in grouped
+                ])  # fmt: skip
+                key = f"{part} {grid}"
+                errors[key] = errors.get(key, 0.0) + float((out.float() - grouped.float()).square().sum())
+    return errors
+
+
+def prompt_caches(model: Any, seqs: list[tuple[torch.Tensor, int]]) -> Iterator[tuple[int, Any, int]]:
+    """For each sequence's prompt read in one forward, each layer's cache as (layer, its
+    `DynamicCache` layer with .keys and .values (1, KVH, T, D), whole 16-token blocks in the prompt)."""
     from transformers import DynamicCache
 
-    errors: dict[str, float] = {}
     with torch.inference_mode():
         for ids, prompt_len in seqs:
             cache = DynamicCache()
             model(input_ids=ids[None, :prompt_len], cache=cache, use_cache=True)
-            blocks = prompt_len // BLOCK
             for layer, held in enumerate(cast(list[Any], cache.layers)):
-                for part, tensor in (("keys", held.keys), ("values", held.values)):
-                    x = tensor[0, :, : blocks * BLOCK].transpose(0, 1)  # (T, KVH, D)
-                    grouped = x.reshape(blocks, BLOCK, *x.shape[1:])
-                    for grid in ("uniform", "codebook"):
-                        levels = codebooks[layer] if grid == "codebook" else None
-                        out = torch.stack([
-                            fake_quantise(b, b, 4, None, (None, None), levels=levels)[0] if part == "keys"
-                            else fake_quantise(b, b, None, 4, (None, None), levels=levels)[1]
-                            for b in grouped
-                        ])  # fmt: skip
-                        key = f"{part} {grid}"
-                        errors[key] = errors.get(key, 0.0) + float(
-                            (out.float() - grouped.float()).square().sum()
-                        )
-    return errors
+                yield layer, held, prompt_len // BLOCK
 
 
 def _inner(x: torch.Tensor, dim: int) -> torch.Tensor:
