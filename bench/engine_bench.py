@@ -289,7 +289,7 @@ def report(args: Any, runs: list[Run], isolation: list[dict[str, Any]], console:
     rounds: dict[str, list[float]] = {}
     for round_ in sorted({r.round for r in runs}):
         ours = tok_s("engine_dynamic", "burst", round_)
-        for other, _ in HEADLINE[:1] + HEADLINE[2:]:
+        for other in (v for v, _ in HEADLINE if v != "engine_dynamic"):
             base = tok_s(other, "burst", round_)
             if ours is not None and base is not None:
                 rounds.setdefault(f"burst: engine_dynamic / {other} tok/s", []).append(ours / base)
