@@ -19,7 +19,12 @@ yet a quantiser the engine has; the same bytes), or keys quantised before rotary
 (`pre_rope_keys`: turned back by the model's rotary angles first; not yet a store the engine has,
 the same bytes), or 4-bit codes indexing 16 levels fitted per layer to this model's keys and values
 (`codebook`: Lloyd-Max on `--calibration-docs` corpus documents the evaluation does not use, a
-group's min and max kept exact; not yet a store the engine has, the same bytes). Bytes per token
+group's min and max kept exact; not yet a store the engine has, the same bytes), or, per KV head,
+the key channels that carry most of the scores' expected error at 8 bits (`hot_keys`: a channel's
+mean squared query times its mean squared range over a block, on the same calibration documents;
+keys are quantised per channel, so a channel's bits are its own) and the value channels that weigh
+most in the output kept at full precision, the rest quantised per token over their own range
+(`hot_values`; neither is a store the engine has yet, both cost bytes, counted). Bytes per token
 are given twice: the cold blocks' exact bytes (codes, scales, offsets) over bf16's, and "counted"
 as `bench.kv_quality` counts a sequence's blocks at its last step (the sink blocks, the window and
 the block being written at full precision; median over the documents, prompt and continuation).
@@ -79,6 +84,20 @@ class Format:
     # exact), not 16 evenly spaced ones: the same bytes (a 16-entry table per layer and kind), a
     # table lookup when reading.
     codebook: bool = False
+    # Per KV head, the `hot_keys` key channels that carry most of the scores' expected error (a
+    # channel's mean squared query times its mean squared range over a block, fitted on calibration
+    # documents) quantised at `hot_key_bits` instead of the layer's key bits: keys are quantised per
+    # channel, so a channel's bits are its own; the query weighs each channel's error in q . k.
+    hot_keys: int = 0
+    hot_key_bits: int = 8
+    # The same number of hot key channels in all, but chosen by weight across every layer and KV
+    # head at once (a layer whose keys cost the scores more gets more), not `hot_keys` in each.
+    hot_keys_pooled: bool = False
+    # Per KV head, the `hot_values` value channels that weigh most in the output (mean squared value
+    # times the squared norm of the output projection's columns that read it) kept at full
+    # precision; the rest quantised per token over themselves only (a range the outliers no longer
+    # set). Dense-and-sparse by fixed channels.
+    hot_values: int = 0
 
     def bits(self, layer: int) -> tuple[int | None, int | None]:
         return self.layer_bits.get(layer, (self.key_bits, self.value_bits))
@@ -139,11 +158,36 @@ FORMATS: dict[str, Format] = {
     # Non-uniform 4-bit levels (KVQuant's nuq idea), fitted per layer: int4 alone, and the profile.
     "int4-codebook": Format(codebook=True),
     "int4+int8@5layers-w0-codebook": replace(MIXED, residual=0, codebook=True),
+    # The keys' bits where the query looks: 8 or 16 channels of 64 per KV head at 8 bits, chosen per
+    # layer by query energy x range (calibration documents), the rest at 4; values 4 bits, or 8 in
+    # the sensitive layers.
+    "int4-hot8": Format(hot_keys=8),
+    "int4-hot16": Format(hot_keys=16),
+    "int4-hot8-w0": Format(hot_keys=8, residual=0),
+    "int4-hot16-w0": Format(hot_keys=16, residual=0),
+    "int4-hot8+v8@5layers-w0": Format(
+        hot_keys=8, residual=0, layer_bits={layer: (4, 8) for layer in SENSITIVE}
+    ),
+    "int4-hot16+v8@4layers-w0": Format(
+        hot_keys=16, residual=0, layer_bits={layer: (4, 8) for layer in SENSITIVE[1:]}
+    ),
+    "int4+int8@5layers-w0-hot8": replace(MIXED, residual=0, hot_keys=8),
+    "int4-hot16pooled-w0": Format(hot_keys=16, hot_keys_pooled=True, residual=0),
+    "int4-hot16pooled-v2-w0": Format(hot_keys=16, hot_keys_pooled=True, hot_values=2, residual=0),
+    "int4-hot16-v2-w0": Format(hot_keys=16, hot_values=2, residual=0),
+    "int4-hot16-v4-w0": Format(hot_keys=16, hot_values=4, residual=0),
+    "int4-v4-w0": Format(hot_values=4, residual=0),
+    "int4-hot16+v8@2layers-v2-w0": Format(
+        hot_keys=16, hot_values=2, residual=0, layer_bits={layer: (4, 8) for layer in (11, 16)}
+    ),
 }
 
 # Levels of a 4-bit codebook, per layer: (keys', values'), each (16,) ascending in [0, 1] (0 and 1
 # included: a group's min and max), a code picking the level nearest (x - min) / (max - min).
 Codebooks = dict[int, tuple[torch.Tensor, torch.Tensor]]
+
+# Per layer, (KV heads, head_dim) bool: the key channels a `hot_keys` format holds at its hot bits.
+HotChannels = dict[int, torch.Tensor]
 
 
 def bytes_ratio(fmt: Format, layers: int, head_dim: int, dtype_bytes: int = 2) -> float:
@@ -155,10 +199,20 @@ def bytes_ratio(fmt: Format, layers: int, head_dim: int, dtype_bytes: int = 2) -
     for layer in range(layers):
         key_bits, value_bits = fmt.bits(layer)
         # keys: a scale and an offset per channel and `key_group` blocks; values: per token
-        total += _part(
-            key_bits, head_dim, dtype_bytes, 2 * head_dim * dtype_bytes / (BLOCK * fmt.key_group(layer))
-        )
-        total += _part(value_bits, head_dim, dtype_bytes, 2 * dtype_bytes)
+        key_scales = 2 * head_dim * dtype_bytes / (BLOCK * fmt.key_group(layer))
+        if key_bits is not None and key_bits < fmt.hot_key_bits and fmt.hot_keys:
+            hot = fmt.hot_keys
+            codes = QuantFormat(fmt.hot_key_bits).code_dim(hot) + QuantFormat(key_bits).code_dim(
+                head_dim - hot
+            )
+            total += codes + key_scales
+        else:
+            total += _part(key_bits, head_dim, dtype_bytes, key_scales)
+        if value_bits is not None and fmt.hot_values:
+            hot = fmt.hot_values
+            total += QuantFormat(value_bits).code_dim(head_dim - hot) + hot * dtype_bytes + 2 * dtype_bytes
+        else:
+            total += _part(value_bits, head_dim, dtype_bytes, 2 * dtype_bytes)
     return total / (layers * full)
 
 
@@ -282,6 +336,80 @@ def round_trip_errors(
     return errors
 
 
+def key_weights(model: Any, seqs: list[tuple[torch.Tensor, int]]) -> dict[int, torch.Tensor]:
+    """Per layer, (KV heads, head_dim): what a unit of quantisation error in each key channel costs
+    the attention scores over these sequences' prompts: the channel's mean squared query (after
+    rotary embedding, over the query heads that read that KV head) times its mean squared range
+    over a 16-token block (a uniform quantiser's error variance is proportional to it)."""
+    config = model.config
+    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, head_size(config)
+    queries: dict[int, torch.Tensor] = {}
+    hooks = [
+        layer.self_attn.q_proj.register_forward_hook(
+            lambda _m, _i, out, at=index: queries.__setitem__(at, out.detach())
+        )
+        for index, layer in enumerate(model.model.layers)
+    ]
+    energy: dict[int, torch.Tensor] = {}
+    ranges: dict[int, torch.Tensor] = {}
+    tokens = blocks_seen = 0
+    try:
+        for layer, held, blocks in prompt_caches(model, seqs):
+            length = held.keys.shape[2]
+            cos, sin = rotary_angles(model, length)
+            q = rope_turn(queries[layer][0].view(length, heads, head_dim), cos, sin, 1.0)
+            grouped = q.square().view(length, kv_heads, heads // kv_heads, head_dim).mean(2).sum(0)
+            k = held.keys[0, :, : blocks * BLOCK].transpose(0, 1).float()
+            k = k.reshape(blocks, BLOCK, kv_heads, head_dim)
+            spans = (k.amax(1) - k.amin(1)).square().sum(0)
+            energy[layer] = energy.get(layer, 0) + grouped
+            ranges[layer] = ranges.get(layer, 0) + spans
+            if layer == 0:
+                tokens, blocks_seen = tokens + length, blocks_seen + blocks
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return {layer: (energy[layer] / tokens) * (ranges[layer] / blocks_seen) for layer in energy}
+
+
+def value_weights(model: Any, seqs: list[tuple[torch.Tensor, int]]) -> dict[int, torch.Tensor]:
+    """Per layer, (KV heads, head_dim): how much each value channel weighs in the attention's
+    output over these prompts: its mean squared value times the squared norm of the output
+    projection's columns that read it (every query head of the KV head's group)."""
+    config = model.config
+    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, head_size(config)
+    energy: dict[int, torch.Tensor] = {}
+    tokens: dict[int, int] = {}
+    for layer, held, _ in prompt_caches(model, seqs):
+        v = held.values[0].float()  # (KVH, T, D)
+        energy[layer] = energy.get(layer, 0) + v.square().sum(1)
+        tokens[layer] = tokens.get(layer, 0) + v.shape[1]
+    out = {}
+    for layer, total in energy.items():
+        columns = (
+            model.model.layers[layer].self_attn.o_proj.weight.detach().float().square().sum(0)
+        )  # (H * D,)
+        reads = columns.view(kv_heads, heads // kv_heads, head_dim).sum(1)
+        out[layer] = total / tokens[layer] * reads
+    return out
+
+
+def hot_channels(weights: dict[int, torch.Tensor], count: int, pooled: bool = False) -> HotChannels:
+    """Per layer, the `count` channels of each KV head with the largest weights, as a bool mask;
+    `pooled`: count x heads x layers channels with the largest weights wherever they are."""
+    if pooled:
+        stacked = torch.stack([weights[layer] for layer in sorted(weights)])  # (L, KVH, D)
+        mask = torch.zeros(stacked.numel(), dtype=torch.bool)
+        mask[stacked.flatten().topk(count * stacked.shape[0] * stacked.shape[1]).indices] = True
+        return {layer: m for layer, m in zip(sorted(weights), mask.view_as(stacked), strict=True)}
+    out = {}
+    for layer, w in weights.items():
+        mask = torch.zeros_like(w, dtype=torch.bool)
+        mask.scatter_(-1, w.topk(count, dim=-1).indices, True)
+        out[layer] = mask
+    return out
+
+
 def prompt_caches(model: Any, seqs: list[tuple[torch.Tensor, int]]) -> Iterator[tuple[int, Any, int]]:
     """For each sequence's prompt read in one forward, each layer's cache as (layer, its
     `DynamicCache` layer with .keys and .values (1, KVH, T, D), whole 16-token blocks in the prompt)."""
@@ -304,12 +432,15 @@ def _inner(x: torch.Tensor, dim: int) -> torch.Tensor:
 def fake_quantise(
     keys: torch.Tensor, values: torch.Tensor, key_bits: int | None, value_bits: int | None,
     rotation: tuple[torch.Tensor | None, torch.Tensor | None], value_clips: tuple[float, ...] = (),
-    levels: tuple[torch.Tensor, torch.Tensor] | None = None,
+    levels: tuple[torch.Tensor, torch.Tensor] | None = None, hot: tuple[torch.Tensor, int] | None = None,
+    hot_values: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """One block's keys and values (block, KV heads, head_dim) as the engine's cold store gives
     them back: (rotated,) quantised by `quantize_keys` / `quantize_values`, dequantised (and
     rotated back), in the input's dtype; with `levels` (keys', values'), 4-bit parts through
-    those codebooks instead (`codebook_round_trip`)."""
+    those codebooks instead (`codebook_round_trip`); with `hot` (a (KV heads, head_dim) mask, its
+    bits), the masked key channels at those bits; with `hot_values` (a mask), those value channels
+    kept and the rest quantised per token over themselves."""
 
     def round_trip(x: torch.Tensor, bits: int, r: torch.Tensor | None, per_channel: bool) -> torch.Tensor:
         if levels is not None and bits == 4 and r is None:
@@ -324,20 +455,31 @@ def fake_quantise(
         out = unpack(codes, qf).float() * scale.float() + low.float()
         return (out if r is None else out @ r).to(x.dtype)
 
-    if key_bits is not None:
+    if key_bits is not None and hot is not None and hot[1] > key_bits:
+        if rotation[0] is not None:
+            raise ValueError("hot key channels are not rotated here")
+        mask, bits = hot
+        keys = torch.where(mask, round_trip(keys, bits, None, True), round_trip(keys, key_bits, None, True))
+    elif key_bits is not None:
         keys = round_trip(keys, key_bits, rotation[0], per_channel=True)
     if value_bits is not None and value_clips:
         if rotation[1] is not None:
             raise ValueError("clipped values are not rotated here")
         values = clipped_round_trip(values, value_bits, value_clips)
+    elif value_bits is not None and hot_values is not None:
+        # the hot channels take a cold channel's value, so each token's range is the cold ones'
+        filler = values.masked_fill(hot_values, float("inf")).amin(-1, keepdim=True)
+        cold = torch.where(hot_values, filler.expand_as(values), values)
+        values = torch.where(hot_values, values, round_trip(cold, value_bits, None, per_channel=False))
     elif value_bits is not None:
         values = round_trip(values, value_bits, rotation[1], per_channel=False)
     return keys, values
 
 
 def logprobs(
-    model: Any, ids: torch.Tensor, prompt_len: int, fmt: Format, codebooks: Codebooks | None = None
-) -> torch.Tensor:
+    model: Any, ids: torch.Tensor, prompt_len: int, fmt: Format, codebooks: Codebooks | None = None,
+    hot: HotChannels | None = None, hot_values: HotChannels | None = None,
+) -> torch.Tensor:  # fmt: skip
     """Log-probabilities (continuation, vocabulary) of the tokens after the prompt, the cache's
     cold blocks fake-quantised as the engine would hold them after every step."""
     from transformers import DynamicCache
@@ -362,7 +504,7 @@ def logprobs(
             held = cast(list[Any], cache.layers)  # full-attention layers: .keys, .values
             for block in range(cold_values, limit):  # values: per token, as each block goes cold
                 span = slice(block * BLOCK, (block + 1) * BLOCK)
-                _requantise(held, fmt, span, rotation, keys=False, codebooks=codebooks)
+                _requantise(held, fmt, span, rotation, keys=False, codebooks=codebooks, hot_values=hot_values)
             for layer, cached in enumerate(held):  # keys: once every block sharing their scales is cold
                 group = fmt.key_group(layer)
                 while cold_keys[layer] + group <= limit:
@@ -376,6 +518,7 @@ def logprobs(
                         first_layer=layer,
                         rope=rope,
                         codebooks=codebooks,
+                        hot=hot,
                     )
                     cold_keys[layer] += group
             cold_values = max(cold_values, limit)
@@ -402,14 +545,18 @@ def rope_turn(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: fl
 def _requantise(
     held: list[Any], fmt: Format, span: slice, rotation: tuple[torch.Tensor | None, torch.Tensor | None], *,
     keys: bool, first_layer: int = 0, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-    codebooks: Codebooks | None = None,
+    codebooks: Codebooks | None = None, hot: HotChannels | None = None,
+    hot_values: HotChannels | None = None,
 ) -> None:  # fmt: skip
     """The keys (or the values) of `span` in the layers `held` (the first is `first_layer`),
     fake-quantised in place at each layer's bits; with `rope`, keys before rotary embedding; with
-    `fmt.codebook`, 4-bit parts through the layer's `codebooks`."""
+    `fmt.codebook`, 4-bit parts through the layer's `codebooks`; with `fmt.hot_keys`, the layer's
+    `hot` key channels at `fmt.hot_key_bits`."""
     for layer, cached in enumerate(held, start=first_layer):
         key_bits, value_bits = fmt.bits(layer)
         levels = codebooks[layer] if fmt.codebook and codebooks is not None else None
+        mask = (hot[layer], fmt.hot_key_bits) if fmt.hot_keys and hot is not None else None
+        kept = hot_values[layer] if fmt.hot_values and hot_values is not None else None
         tensor = cached.keys if keys else cached.values
         part = tensor[0, :, span].transpose(0, 1)
         if keys and rope is not None and key_bits is not None:
@@ -418,9 +565,11 @@ def _requantise(
             quantised, _ = fake_quantise(plain, plain, key_bits, None, rotation, levels=levels)
             part = rope_turn(quantised, cos, sin, 1.0).to(part.dtype)
         elif keys:
-            part, _ = fake_quantise(part, part, key_bits, None, rotation, levels=levels)
+            part, _ = fake_quantise(part, part, key_bits, None, rotation, levels=levels, hot=mask)
         else:
-            _, part = fake_quantise(part, part, None, value_bits, rotation, fmt.value_clips, levels)
+            _, part = fake_quantise(
+                part, part, None, value_bits, rotation, fmt.value_clips, levels, hot_values=kept
+            )
         tensor[0, :, span] = part.transpose(0, 1)
 
 
@@ -500,6 +649,24 @@ def main() -> None:
         errors = round_trip_errors(model, seqs, codebooks)
         console.print("4-bit round trip, squared error on the evaluated prompts, codebook / uniform: " + ", ".join(
             f"{part} {errors[f'{part} codebook'] / errors[f'{part} uniform']:.3f}" for part in ("keys", "values")))  # fmt: skip
+    hot: dict[tuple[int, bool], HotChannels] = {}
+    kept: dict[int, HotChannels] = {}
+    counts = sorted(
+        {(FORMATS[name].hot_keys, FORMATS[name].hot_keys_pooled) for name in names if FORMATS[name].hot_keys}
+    )
+    value_counts = sorted({FORMATS[name].hot_values for name in names} - {0})
+    if counts or value_counts:
+        fitted = calibration_documents(docs, args.calibration_docs)
+        prompts = [(p, len(p)) for p in (prompt_ids(tokenizer, d) for d in fitted)]
+        if counts:
+            weights = key_weights(model, prompts)
+            hot = {(count, pooled): hot_channels(weights, count, pooled) for count, pooled in counts}
+        if value_counts:
+            weights = value_weights(model, prompts)
+            kept = {count: hot_channels(weights, count) for count in value_counts}
+        console.print(
+            f"hot key channels chosen on {len(fitted)} documents: {[d['document_id'] for d in fitted]}"
+        )
     layers = model.config.num_hidden_layers
     head_dim = head_size(model.config)
     results = []
@@ -507,7 +674,15 @@ def main() -> None:
         fmt, began = FORMATS[name], time.perf_counter()
         kls, top1 = [], []
         for (ids, n), ref in zip(seqs, reference, strict=True):
-            test = logprobs(model, ids, n, fmt, codebooks)
+            test = logprobs(
+                model,
+                ids,
+                n,
+                fmt,
+                codebooks,
+                hot.get((fmt.hot_keys, fmt.hot_keys_pooled)),
+                kept.get(fmt.hot_values),
+            )
             kls.append(float((ref.exp() * (ref - test)).sum(-1).mean()))
             top1.append(float((ref.argmax(-1) == test.argmax(-1)).float().mean()))
         counted = statistics.median(counted_ratio(fmt, layers, head_dim, len(ids)) for ids, _ in seqs)
@@ -515,7 +690,7 @@ def main() -> None:
                               statistics.mean(top1), time.perf_counter() - began, asdict(fmt)))  # fmt: skip
         console.print(f"{name}: KL {results[-1].kl_mean:.5f}, bytes {results[-1].bytes_ratio:.3f} cold, "
                       f"{counted:.3f} counted")  # fmt: skip
-        write(args, docs, results, codebooks, errors)
+        write(args, docs, results, codebooks, errors, hot, kept)
     table = Table("format", "cold bytes/token vs bf16", "counted", "KL mean", "top-1", "s",
                   title=f"KV formats by fake quantisation, {len(docs)} documents x {args.tf_tokens} tokens")  # fmt: skip
     for r in results:
@@ -542,7 +717,8 @@ def calibration_documents(evaluated: list[dict[str, Any]], n: int) -> list[dict[
 
 def write(
     args: Any, docs: list[dict[str, Any]], results: list[Result], codebooks: Codebooks | None = None,
-    errors: dict[str, float] | None = None,
+    errors: dict[str, float] | None = None, hot: dict[tuple[int, bool], HotChannels] | None = None,
+    kept: dict[int, HotChannels] | None = None,
 ) -> None:  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
@@ -552,7 +728,17 @@ def write(
         "results": [asdict(r) for r in results],
         "codebooks": {layer: {"keys": k.tolist(), "values": v.tolist()} for layer, (k, v) in (codebooks or {}).items()},
         "round_trip_errors": errors,
+        "hot_key_channels": _channel_lists({f"{count}{' pooled' if pooled else ''}": masks for (count, pooled), masks in (hot or {}).items()}),
+        "hot_value_channels": _channel_lists(kept),
     }, indent=1, ensure_ascii=False, default=str))  # fmt: skip
+
+
+def _channel_lists(chosen: dict[Any, HotChannels] | None) -> dict[Any, dict[int, list[list[int]]]]:
+    """count -> layer -> each KV head's chosen channels."""
+    return {
+        count: {layer: [row.nonzero().flatten().tolist() for row in mask] for layer, mask in masks.items()}
+        for count, masks in (chosen or {}).items()
+    }
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -87,20 +89,36 @@ async def wait_for_broker(settings: Settings, timeout_s: float = 60.0) -> None:
         reraise=True,
     ):
         with attempt:
-            admin = AIOKafkaAdminClient(**client_options(settings))
-            try:
-                await admin.start()
+            async with admin_client(settings) as admin:
                 await admin.list_topics()
-            finally:
-                await admin.close()
+
+
+async def start_admin(settings: Settings) -> AIOKafkaAdminClient:
+    """A started admin client, closed again when starting fails or is cancelled: a client left
+    half-started holds connections that nothing closes."""
+    admin = AIOKafkaAdminClient(**client_options(settings))
+    try:
+        await admin.start()
+    except BaseException:
+        await admin.close()
+        raise
+    return admin
+
+
+@asynccontextmanager
+async def admin_client(settings: Settings) -> AsyncIterator[AIOKafkaAdminClient]:
+    """A started admin client for the block, closed after it."""
+    admin = await start_admin(settings)
+    try:
+        yield admin
+    finally:
+        await admin.close()
 
 
 async def ensure_topics(settings: Settings, topics: list[str] | None = None) -> list[str]:
     """Creates the missing topics with the configured partitions; returns the ones it created."""
     wanted = topics if topics is not None else settings.all_topics
-    admin = AIOKafkaAdminClient(**client_options(settings))
-    await admin.start()
-    try:
+    async with admin_client(settings) as admin:
         existing = set(await admin.list_topics())
         missing = [t for t in wanted if t not in existing]
         if not missing:
@@ -116,18 +134,12 @@ async def ensure_topics(settings: Settings, topics: list[str] | None = None) -> 
         log.info("created topics %s", created)
         await _await_leaders(admin, missing)
         return created
-    finally:
-        await admin.close()
 
 
 async def partitions_of(settings: Settings, topics: list[str]) -> dict[str, list[int]]:
     """The partition numbers of each of `topics`; LookupError names a topic that does not exist."""
-    admin = AIOKafkaAdminClient(**client_options(settings))
-    await admin.start()
-    try:
+    async with admin_client(settings) as admin:
         described = await admin.describe_topics(topics)
-    finally:
-        await admin.close()
     found = partition_map(described)
     for topic in topics:
         if not found.get(topic):

@@ -23,7 +23,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 from aiokafka.structs import TopicPartition
 
-from pipeline.kafka import client_options, ensure_topics, partition_map
+from pipeline.kafka import ensure_topics, partition_map, start_admin
 from pipeline.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -106,9 +106,7 @@ class ClusterWatch:
     async def _partitions(self) -> dict[str, list[int]]:
         """Each of our topics' partition ids (empty: the topic does not exist)."""
         if self._admin is None:
-            admin = AIOKafkaAdminClient(**client_options(self.settings))
-            await admin.start()
-            self._admin = admin
+            self._admin = await start_admin(self.settings)
         # All topics: a request that names none creates none (naming one may auto-create it).
         found = partition_map(await self._admin.describe_topics())
         return {topic: found.get(topic, []) for topic in self.settings.all_topics}

@@ -3,6 +3,8 @@ its bytes are the store's, and a format that quantises nothing changes nothing."
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -15,12 +17,15 @@ from bench.kv_formats import (
     codebook_round_trip,
     counted_ratio,
     fake_quantise,
+    hot_channels,
+    key_weights,
     lloyd_levels,
     logprobs,
     nearest_level,
     rope_turn,
     rotary_angles,
     round_trip_errors,
+    value_weights,
 )
 from engine.kv_cache import ColdStore, KVShape
 from engine.kv_quant import QuantFormat, hadamard
@@ -193,3 +198,117 @@ def test_round_trip_errors_equal_for_even_levels_and_lower_for_levels_fitted_to_
     fitted = round_trip_errors(model, [(ids, 64)], calibrate(model, [(ids, 64)]))
     for part in ("keys", "values"):  # Lloyd-Max on these very groups: never worse than even levels
         assert fitted[f"{part} codebook"] <= fitted[f"{part} uniform"] * 1.001
+
+
+def test_hot_key_channels_are_the_hot_bits_round_trip_and_the_rest_the_layers_bits() -> None:
+    torch.manual_seed(1)
+    keys = torch.randn(16, 2, 32) * torch.linspace(0.1, 4.0, 32)
+    mask = torch.zeros(2, 32, dtype=torch.bool)
+    mask[0, :5], mask[1, -3:] = True, True
+    int4, _ = fake_quantise(keys, keys, 4, None, (None, None))
+    int8, _ = fake_quantise(keys, keys, 8, None, (None, None))
+    mixed, _ = fake_quantise(keys, keys, 4, None, (None, None), hot=(mask, 8))
+    torch.testing.assert_close(mixed, torch.where(mask, int8, int4), rtol=0, atol=0)
+    assert not torch.equal(int4, int8)
+    none_hot, _ = fake_quantise(keys, keys, 4, None, (None, None), hot=(torch.zeros_like(mask), 8))
+    torch.testing.assert_close(none_hot, int4, rtol=0, atol=0)
+
+
+def test_each_hot_key_channel_costs_the_difference_of_its_codes() -> None:
+    head_dim, layers = 64, 4
+    plain, hot = bytes_ratio(Format(), layers, head_dim), bytes_ratio(Format(hot_keys=16), layers, head_dim)
+    # 16 channels of 64 at 8 bits instead of 4: 8 more bytes per token, head and layer, of 256
+    assert hot - plain == pytest.approx(8 / 256)
+    every = Format(hot_keys=head_dim)  # every key channel hot: int8 keys, int4 values
+    assert bytes_ratio(every, layers, head_dim) == pytest.approx(
+        bytes_ratio(Format(key_bits=8), layers, head_dim)
+    )
+
+
+def test_a_format_with_every_key_channel_hot_reads_as_int8_keys() -> None:
+    model = build_tiny("qwen2").model.eval()
+    ids = torch.randint(0, model.config.vocab_size, (70,), generator=torch.Generator().manual_seed(6))
+    config = model.config
+    dim = config.hidden_size // config.num_attention_heads
+    every = {
+        layer: torch.ones(config.num_key_value_heads, dim, dtype=torch.bool)
+        for layer in range(config.num_hidden_layers)
+    }
+    base = Format(residual=0, sink_blocks=0)
+    hot = logprobs(model, ids, 64, replace(base, hot_keys=dim), hot=every)
+    torch.testing.assert_close(hot, logprobs(model, ids, 64, replace(base, key_bits=8)), rtol=0, atol=0)
+    assert not torch.equal(hot, logprobs(model, ids, 64, base))
+
+
+def test_a_key_channel_no_query_reads_weighs_nothing_and_is_never_hot() -> None:
+    """Queries zeroed in channel pair (2, 2 + D/2) of the heads reading KV head 0, before rotary
+    embedding: after it both channels are zero there, so their weight is zero for KV head 0 and
+    not for KV head 1."""
+    model = build_tiny("qwen2").model.eval()
+    config = model.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    dim = config.hidden_size // heads
+    rows = [h * dim + c for h in range(heads // kv_heads) for c in (2, 2 + dim // 2)]
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight[rows] = 0
+            layer.self_attn.q_proj.bias[rows] = 0
+    ids = torch.randint(0, config.vocab_size, (70,), generator=torch.Generator().manual_seed(7))
+    weights = key_weights(model, [(ids, 64)])
+    assert sorted(weights) == list(range(config.num_hidden_layers))
+    for w in weights.values():
+        assert w.shape == (kv_heads, dim) and bool((w >= 0).all())
+        assert float(w[0, 2]) == float(w[0, 2 + dim // 2]) == 0.0
+        assert float(w[1, 2]) > 0 and float(w[1, 2 + dim // 2]) > 0
+    for mask in hot_channels(weights, dim - 2).values():
+        assert mask.sum(-1).tolist() == [dim - 2] * kv_heads
+        assert not mask[0, 2] and not mask[0, 2 + dim // 2]
+
+
+def test_hot_value_channels_are_kept_and_the_rest_quantised_over_their_own_range() -> None:
+    torch.manual_seed(2)
+    values = torch.randn(16, 2, 32)
+    values[..., 3] *= 40  # outlier channels that set every token's range
+    values[..., 7] *= -30
+    mask = torch.zeros(2, 32, dtype=torch.bool)
+    mask[:, [3, 7]] = True
+    _, plain = fake_quantise(values, values, None, 4, (None, None))
+    _, kept = fake_quantise(values, values, None, 4, (None, None), hot_values=mask)
+    torch.testing.assert_close(kept[..., [3, 7]], values[..., [3, 7]], rtol=0, atol=0)
+    rest = ~mask[0]
+    _, alone = fake_quantise(values[..., rest], values[..., rest], None, 4, (None, None))
+    torch.testing.assert_close(kept[..., rest], alone, rtol=0, atol=0)  # the outlier no longer in the range
+    assert (kept - values).square().sum() < (plain - values).square().sum() / 10
+
+
+def test_each_hot_value_channel_costs_full_precision_instead_of_its_code() -> None:
+    plain, hot = bytes_ratio(Format(), 4, 64), bytes_ratio(Format(hot_values=2), 4, 64)
+    assert hot - plain == pytest.approx(2 * (2 - 0.5) / 256)  # bf16 (2 bytes) instead of 4 bits
+
+
+def test_a_value_channel_no_output_reads_weighs_nothing() -> None:
+    """The output projection's columns for channel 5 of the heads reading KV head 1 zeroed: that
+    value channel weighs nothing there, and something for KV head 0."""
+    model = build_tiny("qwen2").model.eval()
+    config = model.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    dim = config.hidden_size // heads
+    columns = [h * dim + 5 for h in range(heads // kv_heads, heads)]
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[:, columns] = 0
+    ids = torch.randint(0, config.vocab_size, (70,), generator=torch.Generator().manual_seed(8))
+    weights = value_weights(model, [(ids, 64)])
+    assert sorted(weights) == list(range(config.num_hidden_layers))
+    for w in weights.values():
+        assert w.shape == (kv_heads, dim) and float(w[1, 5]) == 0.0 and float(w[0, 5]) > 0
+
+
+def test_pooled_hot_channels_are_as_many_as_per_head_ones_and_go_where_the_weight_is() -> None:
+    weights = {0: torch.rand(2, 8) + 10, 1: torch.rand(2, 8)}  # layer 0 weighs far more
+    each = hot_channels(weights, 2)
+    pooled = hot_channels(weights, 2, pooled=True)
+    assert sum(int(m.sum()) for m in each.values()) == sum(int(m.sum()) for m in pooled.values()) == 8
+    assert int(pooled[0].sum()) == 8 and int(pooled[1].sum()) == 0
+    for layer, mask in each.items():  # per head: the two largest of each row
+        assert torch.equal(mask, weights[layer] >= weights[layer].topk(2).values[:, -1:])

@@ -14,14 +14,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.structs import TopicPartition
 
 from pipeline.answers import AnswerHub
 from pipeline.client import collect_answers, publish_documents
 from pipeline.front import Front, router
 from pipeline.http import serve_status
-from pipeline.kafka import client_options, ensure_topics, make_consumer, partitions_of
+from pipeline.kafka import admin_client, ensure_topics, make_consumer, partitions_of
 from pipeline.service import Service, running
 from pipeline.settings import Settings
 from pipeline.telemetry import Telemetry
@@ -307,12 +306,8 @@ async def test_two_requesters_each_get_their_own_analysis_across_a_re_created_to
             f"{url}/api/analyze", json={"text": "Alice: my card 4111 1111 was charged twice."}
         )
         assert alice.status_code == 200, alice.text
-        admin = AIOKafkaAdminClient(**client_options(settings))
-        await admin.start()
-        try:
+        async with admin_client(settings) as admin:
             await admin.delete_topics([settings.topic_complaints])
-        finally:
-            await admin.close()
         await asyncio.sleep(2.0)
         await ensure_topics(settings)  # the worker's watch may have created it again already
         bob = await client.post(f"{url}/api/analyze", json={"text": "Bob: the fridge arrived dented."})

@@ -20,14 +20,13 @@ from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaProducer
-from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from hypothesis import HealthCheck, given
 from hypothesis import settings as settings_
 from hypothesis import strategies as st
 
 from pipeline.client import answer_id, collect_answers
-from pipeline.kafka import client_options, ensure_topics
+from pipeline.kafka import admin_client, client_options, ensure_topics
 from pipeline.service import Service, running
 from pipeline.settings import Settings
 from pipeline.telemetry import Telemetry
@@ -111,16 +110,12 @@ def hostile_key_and_headers(rng: random.Random, i: int) -> tuple[bytes | None, l
 async def accept_records_up_to(settings: Settings, topics: list[str], size: int) -> None:
     """Raises the topics' record size limit (Kafka's default is 1 MB): a cluster whose operators
     raised it hands the worker records of any size, and those are what these tests are about."""
-    admin = AIOKafkaAdminClient(**client_options(settings))
-    await admin.start()
-    try:
+    async with admin_client(settings) as admin:
         resources = [
             ConfigResource(ConfigResourceType.TOPIC, t, configs={"max.message.bytes": str(size)})
             for t in topics
         ]
         await admin.alter_configs(resources)
-    finally:
-        await admin.close()
 
 
 async def test_a_thousand_malformed_records_never_crash_the_worker_and_lose_nothing(

@@ -1,0 +1,38 @@
+"""The Kafka clients the pipeline builds: an admin client that fails to start is closed, not left
+holding the connections it opened (aiokafka reports those as unclosed when collected)."""
+
+from __future__ import annotations
+
+import pytest
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaConnectionError
+
+import pipeline.kafka
+from pipeline.kafka import admin_client, start_admin
+from pipeline.settings import Settings
+
+
+class FailingAdmin(AIOKafkaAdminClient):  # type: ignore[misc]
+    """Fails its start as a broker that drops the connection after the bootstrap would."""
+
+    closed: list[FailingAdmin] = []  # noqa: RUF012 (the test's record, reset by it)
+
+    async def start(self) -> None:
+        raise KafkaConnectionError("dropped after the bootstrap")
+
+    async def close(self) -> None:
+        FailingAdmin.closed.append(self)
+        await super().close()
+
+
+async def test_an_admin_client_that_fails_to_start_is_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = Settings(kafka_bootstrap_servers="127.0.0.1:9")  # never reached: start fails first
+    monkeypatch.setattr(pipeline.kafka, "AIOKafkaAdminClient", FailingAdmin)
+    FailingAdmin.closed = []
+    with pytest.raises(KafkaConnectionError):
+        await start_admin(settings)
+    assert len(FailingAdmin.closed) == 1
+    with pytest.raises(KafkaConnectionError):
+        async with admin_client(settings):
+            pytest.fail("the block runs only with a started client")
+    assert len(FailingAdmin.closed) == 2  # closed once, by start_admin
