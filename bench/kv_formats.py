@@ -651,6 +651,7 @@ def main() -> None:
             f"{part} {errors[f'{part} codebook'] / errors[f'{part} uniform']:.3f}" for part in ("keys", "values")))  # fmt: skip
     hot: dict[tuple[int, bool], HotChannels] = {}
     kept: dict[int, HotChannels] = {}
+    shares: dict[str, dict[int, list[float]]] = {}
     counts = sorted(
         {(FORMATS[name].hot_keys, FORMATS[name].hot_keys_pooled) for name in names if FORMATS[name].hot_keys}
     )
@@ -661,6 +662,18 @@ def main() -> None:
         if counts:
             weights = key_weights(model, prompts)
             hot = {(count, pooled): hot_channels(weights, count, pooled) for count, pooled in counts}
+            shares = {
+                f"{count}{' pooled' if pooled else ''}": {
+                    layer: ((weights[layer] * mask).sum(-1) / weights[layer].sum(-1)).tolist()
+                    for layer, mask in masks.items()
+                }
+                for (count, pooled), masks in hot.items()
+            }
+            for name, per_layer in shares.items():
+                flat = [share for heads in per_layer.values() for share in heads]
+                console.print(
+                    f"{name} hot key channels carry {min(flat):.2f}-{max(flat):.2f} of a head's key weight"
+                )
         if value_counts:
             weights = value_weights(model, prompts)
             kept = {count: hot_channels(weights, count) for count in value_counts}
@@ -690,7 +703,7 @@ def main() -> None:
                               statistics.mean(top1), time.perf_counter() - began, asdict(fmt)))  # fmt: skip
         console.print(f"{name}: KL {results[-1].kl_mean:.5f}, bytes {results[-1].bytes_ratio:.3f} cold, "
                       f"{counted:.3f} counted")  # fmt: skip
-        write(args, docs, results, codebooks, errors, hot, kept)
+        write(args, docs, results, codebooks, errors, hot, kept, shares)
     table = Table("format", "cold bytes/token vs bf16", "counted", "KL mean", "top-1", "s",
                   title=f"KV formats by fake quantisation, {len(docs)} documents x {args.tf_tokens} tokens")  # fmt: skip
     for r in results:
@@ -718,7 +731,7 @@ def calibration_documents(evaluated: list[dict[str, Any]], n: int) -> list[dict[
 def write(
     args: Any, docs: list[dict[str, Any]], results: list[Result], codebooks: Codebooks | None = None,
     errors: dict[str, float] | None = None, hot: dict[tuple[int, bool], HotChannels] | None = None,
-    kept: dict[int, HotChannels] | None = None,
+    kept: dict[int, HotChannels] | None = None, shares: dict[str, dict[int, list[float]]] | None = None,
 ) -> None:  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
@@ -730,6 +743,7 @@ def write(
         "round_trip_errors": errors,
         "hot_key_channels": _channel_lists({f"{count}{' pooled' if pooled else ''}": masks for (count, pooled), masks in (hot or {}).items()}),
         "hot_value_channels": _channel_lists(kept),
+        "hot_key_weight_shares": shares,  # per hot count, layer and KV head: the hot channels' share of key_weights
     }, indent=1, ensure_ascii=False, default=str))  # fmt: skip
 
 
