@@ -168,6 +168,9 @@ FORMATS: dict[str, Format] = {
     "int4-hot8+v8@5layers-w0": Format(
         hot_keys=8, residual=0, layer_bits={layer: (4, 8) for layer in SENSITIVE}
     ),
+    "int4-hot12+v8@5layers-w0": Format(
+        hot_keys=12, residual=0, layer_bits={layer: (4, 8) for layer in SENSITIVE}
+    ),
     "int4-hot16+v8@4layers-w0": Format(
         hot_keys=16, residual=0, layer_bits={layer: (4, 8) for layer in SENSITIVE[1:]}
     ),
