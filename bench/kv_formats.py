@@ -105,6 +105,10 @@ class Format:
     def key_group(self, layer: int) -> int:
         return self.layer_key_blocks.get(layer, self.key_blocks)
 
+    def hot_key_choice(self) -> str:
+        """Names the choice of hot key channels (count, pooled or not) that this format reads."""
+        return f"{self.hot_keys}{' pooled' if self.hot_keys_pooled else ''}"
+
 
 CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
 
@@ -339,11 +343,17 @@ def round_trip_errors(
     return errors
 
 
-def key_weights(model: Any, seqs: list[tuple[torch.Tensor, int]]) -> dict[int, torch.Tensor]:
-    """Per layer, (KV heads, head_dim): what a unit of quantisation error in each key channel costs
-    the attention scores over these sequences' prompts: the channel's mean squared query (after
-    rotary embedding, over the query heads that read that KV head) times its mean squared range
-    over a 16-token block (a uniform quantiser's error variance is proportional to it)."""
+def channel_weights(
+    model: Any, seqs: list[tuple[torch.Tensor, int]]
+) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    """Per layer, (KV heads, head_dim), over these sequences' prompts in one pass each:
+
+    - keys: what a unit of quantisation error in each key channel costs the attention scores: the
+      channel's mean squared query (after rotary embedding, over the query heads that read that KV
+      head) times its mean squared range over a 16-token block (a uniform quantiser's error
+      variance is proportional to it);
+    - values: how much each value channel weighs in the attention's output: its mean squared value
+      times the squared norm of the output projection's columns that read it."""
     config = model.config
     heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, head_size(config)
     queries: dict[int, torch.Tensor] = {}
@@ -353,8 +363,9 @@ def key_weights(model: Any, seqs: list[tuple[torch.Tensor, int]]) -> dict[int, t
         )
         for index, layer in enumerate(model.model.layers)
     ]
-    energy: dict[int, torch.Tensor] = {}
+    query_energy: dict[int, torch.Tensor] = {}
     ranges: dict[int, torch.Tensor] = {}
+    value_energy: dict[int, torch.Tensor] = {}
     tokens = blocks_seen = 0
     try:
         for layer, held, blocks in prompt_caches(model, seqs):
@@ -365,36 +376,52 @@ def key_weights(model: Any, seqs: list[tuple[torch.Tensor, int]]) -> dict[int, t
             k = held.keys[0, :, : blocks * BLOCK].transpose(0, 1).float()
             k = k.reshape(blocks, BLOCK, kv_heads, head_dim)
             spans = (k.amax(1) - k.amin(1)).square().sum(0)
-            energy[layer] = energy.get(layer, 0) + grouped
+            query_energy[layer] = query_energy.get(layer, 0) + grouped
             ranges[layer] = ranges.get(layer, 0) + spans
+            value_energy[layer] = value_energy.get(layer, 0) + held.values[0].float().square().sum(1)
             if layer == 0:
                 tokens, blocks_seen = tokens + length, blocks_seen + blocks
     finally:
         for hook in hooks:
             hook.remove()
-    return {layer: (energy[layer] / tokens) * (ranges[layer] / blocks_seen) for layer in energy}
+    keys, values = {}, {}
+    for layer in query_energy:
+        keys[layer] = (query_energy[layer] / tokens) * (ranges[layer] / blocks_seen)
+        columns = model.model.layers[layer].self_attn.o_proj.weight.detach().float().square().sum(0)
+        reads = columns.view(kv_heads, heads // kv_heads, head_dim).sum(1)  # (H * D,) -> (KVH, D)
+        values[layer] = value_energy[layer] / tokens * reads
+    return keys, values
 
 
-def value_weights(model: Any, seqs: list[tuple[torch.Tensor, int]]) -> dict[int, torch.Tensor]:
-    """Per layer, (KV heads, head_dim): how much each value channel weighs in the attention's
-    output over these prompts: its mean squared value times the squared norm of the output
-    projection's columns that read it (every query head of the KV head's group)."""
-    config = model.config
-    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, head_size(config)
-    energy: dict[int, torch.Tensor] = {}
-    tokens: dict[int, int] = {}
-    for layer, held, _ in prompt_caches(model, seqs):
-        v = held.values[0].float()  # (KVH, T, D)
-        energy[layer] = energy.get(layer, 0) + v.square().sum(1)
-        tokens[layer] = tokens.get(layer, 0) + v.shape[1]
-    out = {}
-    for layer, total in energy.items():
-        columns = (
-            model.model.layers[layer].self_attn.o_proj.weight.detach().float().square().sum(0)
-        )  # (H * D,)
-        reads = columns.view(kv_heads, heads // kv_heads, head_dim).sum(1)
-        out[layer] = total / tokens[layer] * reads
-    return out
+@dataclass
+class Channels:
+    """The channels the hot formats single out, chosen on calibration prompts."""
+
+    keys: dict[str, HotChannels]  # by `Format.hot_key_choice`
+    values: dict[int, HotChannels]  # by `Format.hot_values`
+    key_shares: dict[
+        str, dict[int, list[float]]
+    ]  # per key choice, layer and KV head: its share of the weight
+
+
+def choose_channels(model: Any, prompts: list[tuple[torch.Tensor, int]], formats: list[Format]) -> Channels:
+    """The hot key and value channels every one of `formats` reads, weighed on `prompts`."""
+    key_choices = {f.hot_key_choice(): (f.hot_keys, f.hot_keys_pooled) for f in formats if f.hot_keys}
+    value_counts = {f.hot_values for f in formats if f.hot_values}
+    if not key_choices and not value_counts:
+        return Channels({}, {}, {})
+    key_weights, value_weights = channel_weights(model, prompts)
+    keys = {name: hot_channels(key_weights, *choice) for name, choice in sorted(key_choices.items())}
+    shares = {
+        name: {
+            layer: ((key_weights[layer] * mask).sum(-1) / key_weights[layer].sum(-1)).tolist()
+            for layer, mask in masks.items()
+        }
+        for name, masks in keys.items()
+    }
+    return Channels(
+        keys, {count: hot_channels(value_weights, count) for count in sorted(value_counts)}, shares
+    )
 
 
 def hot_channels(weights: dict[int, torch.Tensor], count: int, pooled: bool = False) -> HotChannels:
@@ -644,44 +671,22 @@ def main() -> None:
     docs = load_corpus(args.docs)
     seqs = continuations(model, tokenizer, docs, args.tf_tokens)
     reference = [logprobs(model, ids, n, Format(quantise=False)) for ids, n in seqs]
+    fitted = calibration_documents(docs, args.calibration_docs)
+    calibration = [(p, len(p)) for p in (prompt_ids(tokenizer, d) for d in fitted)]
+    formats = [FORMATS[name] for name in names]
+    if any(f.codebook or f.hot_keys or f.hot_values for f in formats):
+        console.print(f"calibration documents: {[d['document_id'] for d in fitted]}")
     codebooks, errors = None, None
-    if any(FORMATS[name].codebook for name in names):
-        fitted = calibration_documents(docs, args.calibration_docs)
-        codebooks = calibrate(model, [(p, len(p)) for p in (prompt_ids(tokenizer, d) for d in fitted)])
-        console.print(f"codebooks fitted on {len(fitted)} documents: {[d['document_id'] for d in fitted]}")
+    if any(f.codebook for f in formats):
+        codebooks = calibrate(model, calibration)
         errors = round_trip_errors(model, seqs, codebooks)
         console.print("4-bit round trip, squared error on the evaluated prompts, codebook / uniform: " + ", ".join(
             f"{part} {errors[f'{part} codebook'] / errors[f'{part} uniform']:.3f}" for part in ("keys", "values")))  # fmt: skip
-    hot: dict[tuple[int, bool], HotChannels] = {}
-    kept: dict[int, HotChannels] = {}
-    shares: dict[str, dict[int, list[float]]] = {}
-    counts = sorted(
-        {(FORMATS[name].hot_keys, FORMATS[name].hot_keys_pooled) for name in names if FORMATS[name].hot_keys}
-    )
-    value_counts = sorted({FORMATS[name].hot_values for name in names} - {0})
-    if counts or value_counts:
-        fitted = calibration_documents(docs, args.calibration_docs)
-        prompts = [(p, len(p)) for p in (prompt_ids(tokenizer, d) for d in fitted)]
-        if counts:
-            weights = key_weights(model, prompts)
-            hot = {(count, pooled): hot_channels(weights, count, pooled) for count, pooled in counts}
-            shares = {
-                f"{count}{' pooled' if pooled else ''}": {
-                    layer: ((weights[layer] * mask).sum(-1) / weights[layer].sum(-1)).tolist()
-                    for layer, mask in masks.items()
-                }
-                for (count, pooled), masks in hot.items()
-            }
-            for name, per_layer in shares.items():
-                flat = [share for heads in per_layer.values() for share in heads]
-                console.print(
-                    f"{name} hot key channels carry {min(flat):.2f}-{max(flat):.2f} of a head's key weight"
-                )
-        if value_counts:
-            weights = value_weights(model, prompts)
-            kept = {count: hot_channels(weights, count) for count in value_counts}
+    channels = choose_channels(model, calibration, formats)
+    for choice, per_layer in channels.key_shares.items():
+        flat = [share for heads in per_layer.values() for share in heads]
         console.print(
-            f"hot key channels chosen on {len(fitted)} documents: {[d['document_id'] for d in fitted]}"
+            f"{choice} hot key channels carry {min(flat):.2f}-{max(flat):.2f} of a head's key weight"
         )
     layers = model.config.num_hidden_layers
     head_dim = head_size(model.config)
@@ -691,14 +696,8 @@ def main() -> None:
         kls, top1 = [], []
         for (ids, n), ref in zip(seqs, reference, strict=True):
             test = logprobs(
-                model,
-                ids,
-                n,
-                fmt,
-                codebooks,
-                hot.get((fmt.hot_keys, fmt.hot_keys_pooled)),
-                kept.get(fmt.hot_values),
-            )
+                model, ids, n, fmt, codebooks, channels.keys.get(fmt.hot_key_choice()), channels.values.get(fmt.hot_values)
+            )  # fmt: skip
             kls.append(float((ref.exp() * (ref - test)).sum(-1).mean()))
             top1.append(float((ref.argmax(-1) == test.argmax(-1)).float().mean()))
         counted = statistics.median(counted_ratio(fmt, layers, head_dim, len(ids)) for ids, _ in seqs)
@@ -706,7 +705,7 @@ def main() -> None:
                               statistics.mean(top1), time.perf_counter() - began, asdict(fmt)))  # fmt: skip
         console.print(f"{name}: KL {results[-1].kl_mean:.5f}, bytes {results[-1].bytes_ratio:.3f} cold, "
                       f"{counted:.3f} counted")  # fmt: skip
-        write(args, docs, results, codebooks, errors, hot, kept, shares)
+        write(args, docs, results, codebooks, errors, channels)
     table = Table("format", "cold bytes/token vs bf16", "counted", "KL mean", "top-1", "s",
                   title=f"KV formats by fake quantisation, {len(docs)} documents x {args.tf_tokens} tokens")  # fmt: skip
     for r in results:
@@ -733,8 +732,7 @@ def calibration_documents(evaluated: list[dict[str, Any]], n: int) -> list[dict[
 
 def write(
     args: Any, docs: list[dict[str, Any]], results: list[Result], codebooks: Codebooks | None = None,
-    errors: dict[str, float] | None = None, hot: dict[tuple[int, bool], HotChannels] | None = None,
-    kept: dict[int, HotChannels] | None = None, shares: dict[str, dict[int, list[float]]] | None = None,
+    errors: dict[str, float] | None = None, channels: Channels | None = None,
 ) -> None:  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
@@ -744,9 +742,9 @@ def write(
         "results": [asdict(r) for r in results],
         "codebooks": {layer: {"keys": k.tolist(), "values": v.tolist()} for layer, (k, v) in (codebooks or {}).items()},
         "round_trip_errors": errors,
-        "hot_key_channels": _channel_lists({f"{count}{' pooled' if pooled else ''}": masks for (count, pooled), masks in (hot or {}).items()}),
-        "hot_value_channels": _channel_lists(kept),
-        "hot_key_weight_shares": shares,  # per hot count, layer and KV head: the hot channels' share of key_weights
+        "hot_key_channels": _channel_lists(channels.keys if channels else None),
+        "hot_value_channels": _channel_lists(channels.values if channels else None),
+        "hot_key_weight_shares": channels.key_shares if channels else None,
     }, indent=1, ensure_ascii=False, default=str))  # fmt: skip
 
 

@@ -13,19 +13,19 @@ from bench.kv_formats import (
     Format,
     bytes_ratio,
     calibrate,
+    channel_weights,
+    choose_channels,
     clipped_round_trip,
     codebook_round_trip,
     counted_ratio,
     fake_quantise,
     hot_channels,
-    key_weights,
     lloyd_levels,
     logprobs,
     nearest_level,
     rope_turn,
     rotary_angles,
     round_trip_errors,
-    value_weights,
 )
 from engine.kv_cache import ColdStore, KVShape
 from engine.kv_quant import QuantFormat, hadamard
@@ -254,7 +254,7 @@ def test_a_key_channel_no_query_reads_weighs_nothing_and_is_never_hot() -> None:
             layer.self_attn.q_proj.weight[rows] = 0
             layer.self_attn.q_proj.bias[rows] = 0
     ids = torch.randint(0, config.vocab_size, (70,), generator=torch.Generator().manual_seed(7))
-    weights = key_weights(model, [(ids, 64)])
+    weights, _ = channel_weights(model, [(ids, 64)])
     assert sorted(weights) == list(range(config.num_hidden_layers))
     for w in weights.values():
         assert w.shape == (kv_heads, dim) and bool((w >= 0).all())
@@ -298,7 +298,7 @@ def test_a_value_channel_no_output_reads_weighs_nothing() -> None:
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight[:, columns] = 0
     ids = torch.randint(0, config.vocab_size, (70,), generator=torch.Generator().manual_seed(8))
-    weights = value_weights(model, [(ids, 64)])
+    _, weights = channel_weights(model, [(ids, 64)])
     assert sorted(weights) == list(range(config.num_hidden_layers))
     for w in weights.values():
         assert w.shape == (kv_heads, dim) and float(w[1, 5]) == 0.0 and float(w[0, 5]) > 0
@@ -312,3 +312,15 @@ def test_pooled_hot_channels_are_as_many_as_per_head_ones_and_go_where_the_weigh
     assert int(pooled[0].sum()) == 8 and int(pooled[1].sum()) == 0
     for layer, mask in each.items():  # per head: the two largest of each row
         assert torch.equal(mask, weights[layer] >= weights[layer].topk(2).values[:, -1:])
+
+
+def test_channels_are_chosen_once_per_choice_that_the_formats_read() -> None:
+    model = build_tiny("qwen2").model.eval()
+    ids = torch.randint(0, model.config.vocab_size, (70,), generator=torch.Generator().manual_seed(9))
+    formats = [Format(hot_keys=2), Format(hot_keys=2, hot_values=2), Format(hot_keys=2, hot_keys_pooled=True)]
+    channels = choose_channels(model, [(ids, 64)], formats)
+    assert sorted(channels.keys) == ["2", "2 pooled"] and sorted(channels.values) == [2]
+    assert all(f.hot_key_choice() in channels.keys for f in formats)
+    for shares in channels.key_shares["2"].values():  # 2 channels' share of a head's weight
+        assert all(0 < share < 1 for share in shares)
+    assert choose_channels(model, [(ids, 64)], [Format()]) == type(channels)({}, {}, {})
