@@ -1,0 +1,319 @@
+"""A transformers KV cache as the engine's cold store would hold it: fake quantisation and bytes.
+
+A `Format` says how cold blocks are stored (bits for keys and values per layer, rotation, the
+residual window, the sink blocks, and the candidate quantisers `bench.kv_formats` searches over);
+`logprobs` runs the model over a prompt and its continuation with the cache's cold blocks
+quantised and dequantised in place after every step, with the engine's own `quantize_keys` /
+`quantize_values`; `bytes_ratio` and `counted_ratio` are the bytes such a store holds. Shared by
+`bench.kv_formats` (the search) and `bench.kv_calibration` (what some formats are fitted on).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+
+from engine.kv_quant import QuantFormat, hadamard, quantize_keys, quantize_values, unpack
+
+BLOCK = 16  # the engine's block size: keys share a scale per channel over one block
+PROMPT_CHUNK = 192  # the engine's tokens per step while it reads a prompt
+SINK_BLOCKS = 1  # the engine's default: KV_SINK_TOKENS=4, rounded up to a block
+
+
+@dataclass(frozen=True)
+class Format:
+    key_bits: int | None = 4  # None: full precision
+    value_bits: int | None = 4
+    rotate_keys: bool = False
+    rotate_values: bool = False
+    layer_bits: dict[int, tuple[int | None, int | None]] = field(default_factory=dict)  # layer -> (K, V)
+    residual: int = 32
+    quantise: bool = True  # False: unquantised (the reference, or the floor)
+    prompt_chunk: int = PROMPT_CHUNK
+    key_blocks: int = 1  # blocks that share the keys' scales (quantised once all of them are cold)
+    layer_key_blocks: dict[int, int] = field(default_factory=dict)  # layer -> its own key_blocks
+    sink_blocks: int = SINK_BLOCKS  # first blocks kept full precision
+    # Ranges tried per group of values (a token's channels), shrunk about their middle by each
+    # ratio, the one with the least squared error kept: same bytes, more work when storing only.
+    # Empty: the engine's min-max range.
+    value_clips: tuple[float, ...] = ()
+    # Keys quantised before rotary embedding (KVQuant's pre-RoPE keys): the cached keys are rotated
+    # back to their positions' unrotated form, quantised per channel, dequantised and rotated again.
+    # Same bytes; an engine would store them unrotated and rotate after reading.
+    pre_rope_keys: bool = False
+    # 4-bit codes index 16 levels between a group's min and max fitted to this model's keys and values
+    # (Lloyd-Max per layer on calibration documents the evaluation does not use; min and max stay
+    # exact), not 16 evenly spaced ones: the same bytes (a 16-entry table per layer and kind), a
+    # table lookup when reading.
+    codebook: bool = False
+    # Per KV head, the `hot_keys` key channels that carry most of the scores' expected error (a
+    # channel's mean squared query times its mean squared range over a block, fitted on calibration
+    # documents) quantised at `hot_key_bits` instead of the layer's key bits: keys are quantised per
+    # channel, so a channel's bits are its own; the query weighs each channel's error in q . k.
+    hot_keys: int = 0
+    hot_key_bits: int = 8
+    # The same number of hot key channels in all, but chosen by weight across every layer and KV
+    # head at once (a layer whose keys cost the scores more gets more), not `hot_keys` in each.
+    hot_keys_pooled: bool = False
+    # Per KV head, the `hot_values` value channels that weigh most in the output (mean squared value
+    # times the squared norm of the output projection's columns that read it) kept at full
+    # precision; the rest quantised per token over themselves only (a range the outliers no longer
+    # set). Dense-and-sparse by fixed channels.
+    hot_values: int = 0
+
+    def bits(self, layer: int) -> tuple[int | None, int | None]:
+        return self.layer_bits.get(layer, (self.key_bits, self.value_bits))
+
+    def key_group(self, layer: int) -> int:
+        return self.layer_key_blocks.get(layer, self.key_blocks)
+
+    def hot_key_choice(self) -> str:
+        """Names the choice of hot key channels (count, pooled or not) that this format reads."""
+        return f"{self.hot_keys}{' pooled' if self.hot_keys_pooled else ''}"
+
+
+# included: a group's min and max), a code picking the level nearest (x - min) / (max - min).
+Codebooks = dict[int, tuple[torch.Tensor, torch.Tensor]]
+
+# Per layer, (KV heads, head_dim) bool: the key channels a `hot_keys` format holds at its hot bits.
+HotChannels = dict[int, torch.Tensor]
+
+
+def bytes_ratio(fmt: Format, layers: int, head_dim: int, dtype_bytes: int = 2) -> float:
+    """Cold bytes per token over full precision's, all layers (per KV head: the same for each)."""
+    if not fmt.quantise:
+        return 1.0
+    full = 2 * head_dim * dtype_bytes  # one token's key and value
+    total = 0.0
+    for layer in range(layers):
+        key_bits, value_bits = fmt.bits(layer)
+        # keys: a scale and an offset per channel and `key_group` blocks; values: per token
+        key_scales = 2 * head_dim * dtype_bytes / (BLOCK * fmt.key_group(layer))
+        if key_bits is not None and key_bits < fmt.hot_key_bits and fmt.hot_keys:
+            hot = fmt.hot_keys
+            codes = QuantFormat(fmt.hot_key_bits).code_dim(hot) + QuantFormat(key_bits).code_dim(
+                head_dim - hot
+            )
+            total += codes + key_scales
+        else:
+            total += _part(key_bits, head_dim, dtype_bytes, key_scales)
+        if value_bits is not None and fmt.hot_values:
+            hot = fmt.hot_values
+            total += QuantFormat(value_bits).code_dim(head_dim - hot) + hot * dtype_bytes + 2 * dtype_bytes
+        else:
+            total += _part(value_bits, head_dim, dtype_bytes, 2 * dtype_bytes)
+    return total / (layers * full)
+
+
+def counted_ratio(fmt: Format, layers: int, head_dim: int, tokens: int) -> float:
+    """Bytes per token over full precision's of one sequence of `tokens`, counted as
+    `bench.kv_quality` counts the engine's blocks at its last step: whole blocks, the sink blocks,
+    the window and the block being written at full precision, every other block at the cold
+    format's bytes (keys sharing scales over several blocks counted as cold)."""
+    blocks = -(-tokens // BLOCK)
+    if not fmt.quantise:
+        return blocks * BLOCK / tokens
+    cold = max(0, min(blocks, (tokens - fmt.residual) // BLOCK) - fmt.sink_blocks)
+    held = cold * bytes_ratio(fmt, layers, head_dim) + (blocks - cold)
+    return held * BLOCK / tokens
+
+
+def _part(bits: int | None, head_dim: int, dtype_bytes: int, scales: float) -> float:
+    return head_dim * dtype_bytes if bits is None else QuantFormat(bits).code_dim(head_dim) + scales
+
+
+def head_size(config: Any) -> int:
+    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+
+
+def clipped_round_trip(x: torch.Tensor, bits: int, clips: tuple[float, ...]) -> torch.Tensor:
+    """x (..., D) quantised per row (a token's channels, as values are) and dequantised, each row's
+    range shrunk about its middle by whichever of `clips` gives the least squared error (codes
+    clamp to the range); with clips (1.0,), the engine's min-max quantiser."""
+    work, levels = x.float(), (1 << bits) - 1
+    low, high = work.amin(-1, keepdim=True), work.amax(-1, keepdim=True)
+    middle, half = (low + high) / 2, (high - low) / 2
+    best, best_error = work, torch.full_like(middle, float("inf"))
+    for ratio in clips:
+        start = middle - half * ratio
+        scale = 2 * half * ratio / levels
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        codes = torch.round((work - start) / scale).clamp_(0, levels)
+        out = codes * scale.to(x.dtype).float() + start.to(x.dtype).float()  # stored in the cache's dtype
+        error = (out - work).square().sum(-1, keepdim=True)
+        better = error < best_error
+        best, best_error = torch.where(better, out, best), torch.where(better, error, best_error)
+    return best.to(x.dtype)
+
+
+def unit_range(
+    x: torch.Tensor, dim: int, dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each group's min and span over `dim` (rounded to `dtype` when given, as a store holds them)
+    and x as (x - min) / span in [0, 1], all fp32."""
+    work = x.float()
+    low, high = work.amin(dim=dim, keepdim=True), work.amax(dim=dim, keepdim=True)
+    if dtype is not None:
+        low = low.to(dtype).float()
+    span = high - low if dtype is None else (high - low).to(dtype).float()
+    unit = ((work - low) / torch.where(span > 0, span, torch.ones_like(span))).clamp_(0, 1)
+    return low, span, unit
+
+
+def nearest_level(unit: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """The index of the level (ascending) nearest each entry of `unit`."""
+    return torch.bucketize(unit.contiguous(), (levels[1:] + levels[:-1]) / 2)
+
+
+def codebook_round_trip(x: torch.Tensor, levels: torch.Tensor, dim: int) -> torch.Tensor:
+    """x quantised over `dim` (per channel over a block's tokens for keys, -3; per token for values,
+    -1) to the nearest of `levels` between each group's min and max, scale and min held in x's
+    dtype as the engine holds them, and dequantised."""
+    low, span, unit = unit_range(x, dim, x.dtype)
+    return (low + levels[nearest_level(unit, levels)] * span).to(x.dtype)
+
+
+def fake_quantise(
+    keys: torch.Tensor, values: torch.Tensor, key_bits: int | None, value_bits: int | None,
+    rotation: tuple[torch.Tensor | None, torch.Tensor | None], value_clips: tuple[float, ...] = (),
+    levels: tuple[torch.Tensor, torch.Tensor] | None = None, hot: tuple[torch.Tensor, int] | None = None,
+    hot_values: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One block's keys and values (block, KV heads, head_dim) as the engine's cold store gives
+    them back: (rotated,) quantised by `quantize_keys` / `quantize_values`, dequantised (and
+    rotated back), in the input's dtype; with `levels` (keys', values'), 4-bit parts through
+    those codebooks instead (`codebook_round_trip`); with `hot` (a (KV heads, head_dim) mask, its
+    bits), the masked key channels at those bits; with `hot_values` (a mask), those value channels
+    kept and the rest quantised per token over themselves."""
+
+    def round_trip(x: torch.Tensor, bits: int, r: torch.Tensor | None, per_channel: bool) -> torch.Tensor:
+        if levels is not None and bits == 4 and r is None:
+            return codebook_round_trip(x, levels[0] if per_channel else levels[1], -3 if per_channel else -1)
+        work = x if r is None else (x.float() @ r).to(x.dtype)
+        qf = QuantFormat(bits)
+        codes, scale, low = (quantize_keys if per_channel else quantize_values)(work, qf)
+        if per_channel:  # scale (KVH, D) per channel of the block
+            scale, low = scale[None], low[None]
+        else:  # (block, KVH) per token
+            scale, low = scale[..., None], low[..., None]
+        out = unpack(codes, qf).float() * scale.float() + low.float()
+        return (out if r is None else out @ r).to(x.dtype)
+
+    if key_bits is not None and hot is not None and hot[1] > key_bits:
+        if rotation[0] is not None:
+            raise ValueError("hot key channels are not rotated here")
+        mask, bits = hot
+        keys = torch.where(mask, round_trip(keys, bits, None, True), round_trip(keys, key_bits, None, True))
+    elif key_bits is not None:
+        keys = round_trip(keys, key_bits, rotation[0], per_channel=True)
+    if value_bits is not None and value_clips:
+        if rotation[1] is not None:
+            raise ValueError("clipped values are not rotated here")
+        values = clipped_round_trip(values, value_bits, value_clips)
+    elif value_bits is not None and hot_values is not None:
+        # the hot channels take a cold channel's value, so each token's range is the cold ones'
+        filler = values.masked_fill(hot_values, float("inf")).amin(-1, keepdim=True)
+        cold = torch.where(hot_values, filler.expand_as(values), values)
+        values = torch.where(hot_values, values, round_trip(cold, value_bits, None, per_channel=False))
+    elif value_bits is not None:
+        values = round_trip(values, value_bits, rotation[1], per_channel=False)
+    return keys, values
+
+
+def logprobs(
+    model: Any, ids: torch.Tensor, prompt_len: int, fmt: Format, codebooks: Codebooks | None = None,
+    hot: HotChannels | None = None, hot_values: HotChannels | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Log-probabilities (continuation, vocabulary) of the tokens after the prompt, the cache's
+    cold blocks fake-quantised as the engine would hold them after every step."""
+    from transformers import DynamicCache
+
+    h = hadamard(head_size(model.config))
+    rotation = (h if fmt.rotate_keys else None, h if fmt.rotate_values else None)
+    rope = rotary_angles(model, len(ids)) if fmt.pre_rope_keys else None
+    steps = [(a, min(a + fmt.prompt_chunk, prompt_len)) for a in range(0, prompt_len, fmt.prompt_chunk)]
+    steps += [(a, min(a + BLOCK, len(ids))) for a in range(prompt_len, len(ids), BLOCK)]
+    cache, rows = DynamicCache(), []
+    cold_values = fmt.sink_blocks  # the first block not yet quantised: values, then each layer's keys
+    cold_keys = [fmt.sink_blocks] * model.config.num_hidden_layers
+    with torch.inference_mode():
+        for start, end in steps:
+            logits = model(input_ids=ids[None, start:end], cache=cache, use_cache=True).logits[0]
+            if end >= prompt_len:
+                first = max(start, prompt_len - 1)  # the last prompt token predicts the first output
+                rows.append(logits[first - start : end - start].float())
+            if not fmt.quantise:
+                continue
+            limit = (end - fmt.residual) // BLOCK
+            held = cast(list[Any], cache.layers)  # full-attention layers: .keys, .values
+            for block in range(cold_values, limit):  # values: per token, as each block goes cold
+                span = slice(block * BLOCK, (block + 1) * BLOCK)
+                _requantise(held, fmt, span, rotation, keys=False, codebooks=codebooks, hot_values=hot_values)
+            for layer, cached in enumerate(held):  # keys: once every block sharing their scales is cold
+                group = fmt.key_group(layer)
+                while cold_keys[layer] + group <= limit:
+                    span = slice(cold_keys[layer] * BLOCK, (cold_keys[layer] + group) * BLOCK)
+                    _requantise(
+                        [cached],
+                        fmt,
+                        span,
+                        rotation,
+                        keys=True,
+                        first_layer=layer,
+                        rope=rope,
+                        codebooks=codebooks,
+                        hot=hot,
+                    )
+                    cold_keys[layer] += group
+            cold_values = max(cold_values, limit)
+    return torch.log_softmax(torch.cat(rows)[: len(ids) - prompt_len], dim=-1)
+
+
+def rotary_angles(model: Any, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's rotary cos and sin for positions 0..length-1, fp32, (length, head_dim)."""
+    positions = torch.arange(length)[None]
+    with torch.inference_mode():
+        cos, sin = model.model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
+    return cos[0].float(), sin[0].float()
+
+
+def rope_turn(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
+    """Keys (T, KVH, D) turned by rotary embedding's angles at their positions (cos, sin (T, D)),
+    in fp32: sign +1 applies the embedding, -1 undoes it (transformers' half-split layout)."""
+    x = keys.float()
+    half = x.shape[-1] // 2
+    turned = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + sign * turned * sin[:, None]
+
+
+def _requantise(
+    held: list[Any], fmt: Format, span: slice, rotation: tuple[torch.Tensor | None, torch.Tensor | None], *,
+    keys: bool, first_layer: int = 0, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    codebooks: Codebooks | None = None, hot: HotChannels | None = None,
+    hot_values: HotChannels | None = None,
+) -> None:  # fmt: skip
+    """The keys (or the values) of `span` in the layers `held` (the first is `first_layer`),
+    fake-quantised in place at each layer's bits; with `rope`, keys before rotary embedding; with
+    `fmt.codebook`, 4-bit parts through the layer's `codebooks`; with `fmt.hot_keys`, the layer's
+    `hot` key channels at `fmt.hot_key_bits`."""
+    for layer, cached in enumerate(held, start=first_layer):
+        key_bits, value_bits = fmt.bits(layer)
+        levels = codebooks[layer] if fmt.codebook and codebooks is not None else None
+        mask = (hot[layer], fmt.hot_key_bits) if fmt.hot_keys and hot is not None else None
+        kept = hot_values[layer] if fmt.hot_values and hot_values is not None else None
+        tensor = cached.keys if keys else cached.values
+        part = tensor[0, :, span].transpose(0, 1)
+        if keys and rope is not None and key_bits is not None:
+            cos, sin = rope[0][span], rope[1][span]
+            plain = rope_turn(part, cos, sin, -1.0)
+            quantised, _ = fake_quantise(plain, plain, key_bits, None, rotation, levels=levels)
+            part = rope_turn(quantised, cos, sin, 1.0).to(part.dtype)
+        elif keys:
+            part, _ = fake_quantise(part, part, key_bits, None, rotation, levels=levels, hot=mask)
+        else:
+            _, part = fake_quantise(
+                part, part, None, value_bits, rotation, fmt.value_clips, levels, hot_values=kept
+            )
+        tensor[0, :, span] = part.transpose(0, 1)
