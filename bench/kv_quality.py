@@ -8,11 +8,15 @@ For every profile, on the documents of bench/data/kv-corpus.jsonl (zh/en, three 
   * KV bytes per token: what the pool holds for a document at its last step (its block table,
     full-precision and quantised blocks, exact bytes, all layers) over the tokens it holds, as a
     ratio to bf16; and how many 2,000-character documents fit a fixed pool at that size;
-  * teacher-forced pass (compressed profiles): the document's prompt, then the uncompressed
-    profile's output token by token (its first --tf-tokens); next-token KL divergence and top-1
-    agreement against the uncompressed logits. KL is taken over the reference's top-k tokens plus
-    one bucket for the rest of the vocabulary (a lower bound on the full KL, tight when the top-k
-    hold the mass);
+  * teacher-forced pass (every profile, the uncompressed one first): the document's prompt, then
+    the uncompressed profile's output token by token (its first --tf-tokens); the uncompressed
+    profile's own pass records the reference distributions (top-k per position), every other
+    profile's gives next-token KL divergence and top-1 agreement against them. Both sides come from
+    the same kind of pass (the same prompts and forced tokens, submitted together), so a profile
+    that changes nothing measures 0 (`off-again`); distributions recorded while the analyses were
+    generated would differ by batching order alone (~0.0003 KL on this CPU in bf16). KL is taken
+    over the reference's top-k tokens plus one bucket for the rest of the vocabulary (a lower bound
+    on the full KL, tight when the top-k hold the mass);
   * analysis agreement with the uncompressed profile: sentiment polarity, doubt and expectation
     flags, and a character-bigram Dice similarity of the core viewpoints; and with the corpus
     label where there is one (complaints: negative).
@@ -34,6 +38,7 @@ import math
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -172,14 +177,11 @@ def held(engine: Engine, seq_id: int) -> tuple[int, int]:
     return size, tokens
 
 
-async def analysis_pass(
-    engine: Engine, docs: list[dict[str, Any]], top_k: int | None
-) -> tuple[list[DocResult], Reference, float]:
+async def analysis_pass(engine: Engine, docs: list[dict[str, Any]]) -> tuple[list[DocResult], float]:
     """Every analysis as the service makes it (labels scored by `Analyzer.label`, then the
-    narrative generated); with `top_k`, records the narrative's reference distributions as well."""
+    narrative generated)."""
     schemas = {lang: json.dumps(narrative_json_schema(lang)) for lang in Language}
     analyzer = Analyzer(EmbeddedBackend(engine), trace.NoOpTracer(), max_new_tokens=1024, attempts=1)
-    rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by document index: completion order differs
 
     async def one(index: int, doc: dict[str, Any]) -> DocResult:
         kind, language = DocumentKind(doc["kind"]), Language(doc["language"])
@@ -187,17 +189,11 @@ async def analysis_pass(
         ids = engine.format_chat(
             render(BUILT_IN_KINDS[kind], language, doc["text"], labels.polarity).messages
         )
-        rows_ids: list[torch.Tensor] = []
-        rows_logp: list[torch.Tensor] = []
         last: dict[str, tuple[int, int]] = {}
         seq_id: list[int] = []
 
         def observe(logits: torch.Tensor) -> None:
             last["held"] = held(engine, seq_id[0])
-            if top_k:
-                logp, top = torch.log_softmax(logits, dim=-1).topk(top_k)
-                rows_ids.append(top.to(torch.int32))
-                rows_logp.append(logp)
 
         params = SamplingParams(max_new_tokens=1024, json_schema=schemas[language])
         handle = engine.submit(ids, params, observe)
@@ -216,11 +212,6 @@ async def analysis_pass(
             analysis: dict[str, Any] | None = assembled.model_dump(mode="json")
         except AnalysisParseError as exc:
             analysis, error = None, f"{exc} | raw output: {result.text}"
-        if top_k:
-            rows[index] = (
-                torch.stack(rows_ids[: len(result.token_ids)]),
-                torch.stack(rows_logp[: len(result.token_ids)]),
-            )
         kv_bytes, kv_tokens = last.get("held", (0, 0))
         return DocResult(
             doc["document_id"], kind.value, language.value, len(doc["text"]), doc.get("label_polarity"),
@@ -231,43 +222,81 @@ async def analysis_pass(
     started = time.perf_counter()
     results = list(await asyncio.gather(*(one(i, d) for i, d in enumerate(docs))))
     wall = time.perf_counter() - started
-    ref = Reference([rows[i][0] for i in sorted(rows)], [rows[i][1] for i in sorted(rows)])
-    return results, ref, wall
+    return results, wall
+
+
+async def reference_pass(
+    engine: Engine, docs: list[dict[str, Any]], reference: list[DocResult], limit: int, top_k: int
+) -> Reference:
+    """The top-k next-token distributions along the reference outputs (their first `limit`
+    tokens), recorded in the pass every profile's KL is taken in (`teacher_forced_pass`)."""
+    rows: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in docs]
+
+    def record(i: int, logits: torch.Tensor) -> None:
+        logp, top = torch.log_softmax(logits, dim=-1).topk(top_k)
+        rows[i].append((top.to(torch.int32), logp))
+
+    await _forced(engine, docs, reference, limit, record)
+    empty = (torch.zeros(0, top_k, dtype=torch.int32), torch.zeros(0, top_k))
+    stacked = [
+        (torch.stack([r[0] for r in doc]), torch.stack([r[1] for r in doc])) if doc else empty for doc in rows
+    ]
+    return Reference([ids for ids, _ in stacked], [logp for _, logp in stacked])
 
 
 async def teacher_forced_pass(
     engine: Engine, docs: list[dict[str, Any]], reference: list[DocResult], ref: Reference, limit: int
 ) -> list[tuple[list[float], list[bool]]]:
     """KL and top-1 agreement along the reference outputs (their first `limit` tokens)."""
+    kls: list[list[float]] = [[] for _ in docs]
+    top1: list[list[bool]] = [[] for _ in docs]
 
-    async def one(i: int) -> tuple[list[float], list[bool]]:
+    def compare(i: int, logits: torch.Tensor) -> None:
+        pos = len(kls[i])
+        kl, same = next_token_agreement(logits, ref.ids[i][pos].long(), ref.logp[i][pos])
+        kls[i].append(kl)
+        top1[i].append(same)
+
+    await _forced(engine, docs, reference, limit, compare)
+    return list(zip(kls, top1, strict=True))
+
+
+def next_token_agreement(
+    logits: torch.Tensor, top_ids: torch.Tensor, top_logp: torch.Tensor
+) -> tuple[float, bool]:
+    """KL(reference || these logits) over the reference's top-k tokens plus one bucket for the
+    rest of the vocabulary, and whether the token greedy decoding would pick from these logits is
+    one the reference would pick too (bf16 logits tie: any of the reference's tied best counts)."""
+    logq = torch.log_softmax(logits.float(), dim=-1)
+    p = top_logp.float().exp()
+    q_logp = logq[top_ids]
+    p_rest = max(0.0, 1.0 - float(p.sum()))
+    q_rest = max(1e-12, 1.0 - float(q_logp.exp().sum()))
+    rest = p_rest * (math.log(p_rest) - math.log(q_rest)) if p_rest > 0 else 0.0
+    kl = float((p * (top_logp.float() - q_logp)).sum()) + rest
+    return kl, bool((top_ids[top_logp == top_logp[0]] == logits.argmax()).any())
+
+
+async def _forced(
+    engine: Engine, docs: list[dict[str, Any]], reference: list[DocResult], limit: int,
+    observe: Callable[[int, torch.Tensor], None],
+) -> None:  # fmt: skip
+    """Every document's narrative prompt (naming the polarity the reference decided), then the
+    reference's output forced token by token, all submitted together; `observe(document index,
+    logits)` at every forced position."""
+
+    async def one(i: int) -> None:
         doc, forced = docs[i], reference[i].output_ids[:limit]
+        if not forced:
+            return
         kind, language = DocumentKind(doc["kind"]), Language(doc["language"])
         analysed = reference[i].analysis  # the reference's prompt names the polarity it decided
         polarity = Polarity(analysed["sentiment"]["polarity"]) if analysed else Polarity.NEUTRAL
         ids = engine.format_chat(render(BUILT_IN_KINDS[kind], language, doc["text"], polarity).messages)
-        kls: list[float] = []
-        top1: list[bool] = []
-
-        def observe(logits: torch.Tensor) -> None:
-            pos = len(kls)
-            logq = torch.log_softmax(logits, dim=-1)
-            top_ids, top_logp = ref.ids[i][pos].long(), ref.logp[i][pos]
-            p = top_logp.exp()
-            q_logp = logq[top_ids]
-            p_rest = max(0.0, 1.0 - float(p.sum()))
-            q_rest = max(1e-12, 1.0 - float(q_logp.exp().sum()))
-            rest = p_rest * (math.log(p_rest) - math.log(q_rest)) if p_rest > 0 else 0.0
-            kls.append(float((p * (top_logp - q_logp)).sum()) + rest)
-            top1.append(int(logits.argmax()) == int(top_ids[0]))
-
-        if not forced:
-            return [], []
         params = SamplingParams(max_new_tokens=len(forced), forced_ids=tuple(forced), ignore_eos=True)
-        await engine.submit(ids, params, observe).result()
-        return kls, top1
+        await engine.submit(ids, params, lambda logits: observe(i, logits)).result()
 
-    return list(await asyncio.gather(*(one(i) for i in range(len(docs)))))
+    await asyncio.gather(*(one(i) for i in range(len(docs))))
 
 
 def dice(a: str, b: str) -> float:
@@ -316,6 +345,7 @@ def reference_key(args: Any, loaded: LoadedModel, docs: list[dict[str, Any]]) ->
         "documents": [d["document_id"] for d in docs], "max_batch": args.max_batch,
         "pool_mib": args.pool_mib, "top_k": args.top_k, "tf_tokens": args.tf_tokens,
         "prefix_caching": args.prefix_caching,
+        "reference_pass": "teacher-forced",  # references recorded while generating no longer match
     }  # fmt: skip
 
 
@@ -351,8 +381,11 @@ async def run_profile(
     )  # fmt: skip
     engine = Engine(config, loaded)
     async with engine:
-        results, ref, wall = await analysis_pass(engine, docs, args.top_k if base is None else None)
-        forced = await teacher_forced_pass(engine, docs, *base, args.tf_tokens) if base is not None else []
+        results, wall = await analysis_pass(engine, docs)
+        if base is None:  # the reference: its distributions along its own outputs
+            ref, forced = await reference_pass(engine, docs, results, args.tf_tokens, args.top_k), []
+        else:
+            ref, forced = base[1], await teacher_forced_pass(engine, docs, *base, args.tf_tokens)
         preemptions = engine.stats().num_preemptions
     for r, (kl, top1) in zip(results, forced, strict=False):
         r.kl, r.top1 = kl, top1

@@ -3,8 +3,10 @@ be ignored by the configuration, and the profile would silently run uncompressed
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
+import pytest
 import torch
 
 from bench.kv_quality import (
@@ -16,7 +18,7 @@ from bench.kv_quality import (
     save_reference,
 )
 from bench.real_data import Labelled
-from engine import EngineConfig
+from engine import Engine, EngineConfig
 
 
 def test_every_profile_names_only_engine_settings_and_builds_a_configuration() -> None:
@@ -54,3 +56,59 @@ def test_a_saved_reference_comes_back_whole_only_under_the_key_it_was_made_with(
     assert torch.equal(ref.ids[0], ids[:2]) and torch.equal(ref.logp[0], logp[:2])  # the forced length
     assert load_reference(path, key | {"dtype": "torch.float32"}) is None
     assert load_reference(tmp_path / "none.pt", key) is None
+
+
+async def test_the_reference_is_recorded_in_the_pass_profiles_are_measured_in() -> None:
+    """Measured against its own reference pass an unchanged engine gives KL 0 at every position,
+    in a fresh engine too (batching order is the same in both passes); int4 moves the distributions."""
+    from bench.kv_quality import reference_pass, teacher_forced_pass
+    from engine.tiny import build_tiny
+
+    tiny = build_tiny("qwen2")
+    tiny.model.config.max_position_embeddings = 4096  # the narrative prompt, one character a token
+    docs = [
+        {"document_id": f"d{i}", "kind": kind, "language": "en", "text": text}
+        for i, (kind, text) in enumerate([("complaint", "The parcel came late."), ("filing", "Revenue grew."),
+                                          ("meeting_notes", "We agreed to ship on Monday.")])
+    ]  # fmt: skip
+    outputs = [[5 + i, 17, 42, 99, 3, 250, 7, 8, 11, 12, 40, 41] for i in range(len(docs))]
+    reference = [
+        DocResult(d["document_id"], d["kind"], d["language"], len(d["text"]), None, 0, out, 0.0, 0.0, False,
+                  None, 0, 0)
+        for d, out in zip(docs, outputs, strict=True)
+    ]  # fmt: skip
+
+    def engine(**settings: object) -> Engine:
+        config = EngineConfig(model_path=Path("unused"), dtype="float32", kv_cache_bytes=1 << 24, **settings)  # type: ignore[arg-type]
+        return Engine(config, tiny)
+
+    async with engine() as first:
+        ref = await reference_pass(first, docs, reference, 10, top_k=8)
+        again = await teacher_forced_pass(first, docs, reference, ref, 10)
+    assert [r.shape for r in ref.ids] == [(10, 8)] * len(docs)
+    assert all(kls == [0.0] * 10 and all(top1) for kls, top1 in again)
+    async with engine() as fresh:
+        assert all(kls == [0.0] * 10 for kls, _ in await teacher_forced_pass(fresh, docs, reference, ref, 10))
+    settings = {"kv_compression": True, "kv_quant_bits": 4, "kv_residual_tokens": 0, "kv_sink_tokens": 0}
+    async with engine(**settings) as int4:
+        moved = await teacher_forced_pass(int4, docs, reference, ref, 10)
+    assert max(k for kls, _ in moved for k in kls) > 0  # a tiny random model: small, never 0
+
+
+def test_next_token_agreement_is_zero_kl_for_the_same_logits_and_counts_a_tied_best_either_way() -> None:
+    from bench.kv_quality import next_token_agreement
+
+    logits = torch.tensor([2.0, 5.0, 5.0, 1.0, -3.0, 0.5])  # tokens 1 and 2 tie for the best
+    logp, ids = torch.log_softmax(logits, -1).topk(3)
+    kl, same = next_token_agreement(logits, ids, logp)
+    assert kl == pytest.approx(0.0, abs=1e-7) and same
+    swapped = torch.tensor([2.0, 5.0, 5.0, 1.0, -3.0, 0.5])[[0, 2, 1, 3, 4, 5]]  # argmax picks the other
+    assert next_token_agreement(swapped, ids, logp)[1]
+    moved = torch.tensor([2.0, 5.0, 4.0, 1.0, 3.0, 0.5])  # mass moves to token 4, outside the top 3
+    kl, same = next_token_agreement(moved, ids, logp)
+    p, q = torch.softmax(logits, -1), torch.softmax(moved, -1)
+    top = [int(i) for i in ids]  # tokens 1, 2 and 0
+    rest_p, rest_q = 1 - float(p[top].sum()), 1 - float(q[top].sum())
+    expected = float((p[top] * (p[top].log() - q[top].log())).sum()) + rest_p * math.log(rest_p / rest_q)
+    assert kl == pytest.approx(expected, rel=1e-5) and same  # token 1 is still the best
+    assert not next_token_agreement(torch.tensor([2.0, 1.0, 1.0, 9.0, 0.0, 0.0]), ids, logp)[1]
