@@ -16,7 +16,9 @@ For every profile, on the documents of bench/data/kv-corpus.jsonl (zh/en, three 
     that changes nothing measures 0 (`off-again`); distributions recorded while the analyses were
     generated would differ by batching order alone (~0.0003 KL on this CPU in bf16). KL is taken
     over the reference's top-k tokens plus one bucket for the rest of the vocabulary (a lower bound
-    on the full KL, tight when the top-k hold the mass);
+    on the full KL, tight when the top-k hold the mass). With `--forced continuation` the forced
+    tokens are `bench.kv_formats`' instead (its prompts naming the label's polarity, the model's
+    unconstrained greedy continuation): the format search's measure taken through the engine;
   * analysis agreement with the uncompressed profile: sentiment polarity, doubt and expectation
     flags, and a character-bigram Dice similarity of the core viewpoints; and with the corpus
     label where there is one (complaints: negative).
@@ -225,18 +227,44 @@ async def analysis_pass(engine: Engine, docs: list[dict[str, Any]]) -> tuple[lis
     return results, wall
 
 
-async def reference_pass(
-    engine: Engine, docs: list[dict[str, Any]], reference: list[DocResult], limit: int, top_k: int
-) -> Reference:
-    """The top-k next-token distributions along the reference outputs (their first `limit`
-    tokens), recorded in the pass every profile's KL is taken in (`teacher_forced_pass`)."""
-    rows: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in docs]
+# Per document, a prompt and the tokens forced after it, as token ids.
+Forcing = list[tuple[list[int], list[int]]]
+
+
+def analysis_forcing(
+    engine: Engine, docs: list[dict[str, Any]], reference: list[DocResult], limit: int
+) -> Forcing:
+    """Each document's narrative prompt naming the polarity the reference decided, then the first
+    `limit` tokens of the reference's analysis: KL where the service's answers are written."""
+    out: Forcing = []
+    for doc, result in zip(docs, reference, strict=True):
+        kind, language = DocumentKind(doc["kind"]), Language(doc["language"])
+        polarity = Polarity(result.analysis["sentiment"]["polarity"]) if result.analysis else Polarity.NEUTRAL
+        messages = render(BUILT_IN_KINDS[kind], language, doc["text"], polarity).messages
+        out.append((engine.format_chat(messages), result.output_ids[:limit]))
+    return out
+
+
+def continuation_forcing(loaded: LoadedModel, docs: list[dict[str, Any]], limit: int) -> Forcing:
+    """What `bench.kv_formats` forces: each document's narrative prompt naming its label's polarity,
+    then the model's unconstrained greedy continuation (transformers' `generate`): the format
+    search's KL measured through the engine, on the same tokens."""
+    from bench.kv_formats import continuations
+
+    seqs = continuations(loaded.model, loaded.tokenizer, docs, limit)
+    return [(ids[:n].tolist(), ids[n:].tolist()) for ids, n in seqs]
+
+
+async def reference_pass(engine: Engine, forcing: Forcing, top_k: int) -> Reference:
+    """The top-k next-token distributions along the forced tokens, recorded in the pass every
+    profile's KL is taken in (`teacher_forced_pass`)."""
+    rows: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in forcing]
 
     def record(i: int, logits: torch.Tensor) -> None:
         logp, top = torch.log_softmax(logits, dim=-1).topk(top_k)
         rows[i].append((top.to(torch.int32), logp))
 
-    await _forced(engine, docs, reference, limit, record)
+    await _forced(engine, forcing, record)
     empty = (torch.zeros(0, top_k, dtype=torch.int32), torch.zeros(0, top_k))
     stacked = [
         (torch.stack([r[0] for r in doc]), torch.stack([r[1] for r in doc])) if doc else empty for doc in rows
@@ -245,11 +273,11 @@ async def reference_pass(
 
 
 async def teacher_forced_pass(
-    engine: Engine, docs: list[dict[str, Any]], reference: list[DocResult], ref: Reference, limit: int
+    engine: Engine, forcing: Forcing, ref: Reference
 ) -> list[tuple[list[float], list[bool]]]:
-    """KL and top-1 agreement along the reference outputs (their first `limit` tokens)."""
-    kls: list[list[float]] = [[] for _ in docs]
-    top1: list[list[bool]] = [[] for _ in docs]
+    """KL and top-1 agreement against `ref` along the forced tokens."""
+    kls: list[list[float]] = [[] for _ in forcing]
+    top1: list[list[bool]] = [[] for _ in forcing]
 
     def compare(i: int, logits: torch.Tensor) -> None:
         pos = len(kls[i])
@@ -257,7 +285,7 @@ async def teacher_forced_pass(
         kls[i].append(kl)
         top1[i].append(same)
 
-    await _forced(engine, docs, reference, limit, compare)
+    await _forced(engine, forcing, compare)
     return list(zip(kls, top1, strict=True))
 
 
@@ -277,26 +305,18 @@ def next_token_agreement(
     return kl, bool((top_ids[top_logp == top_logp[0]] == logits.argmax()).any())
 
 
-async def _forced(
-    engine: Engine, docs: list[dict[str, Any]], reference: list[DocResult], limit: int,
-    observe: Callable[[int, torch.Tensor], None],
-) -> None:  # fmt: skip
-    """Every document's narrative prompt (naming the polarity the reference decided), then the
-    reference's output forced token by token, all submitted together; `observe(document index,
-    logits)` at every forced position."""
+async def _forced(engine: Engine, forcing: Forcing, observe: Callable[[int, torch.Tensor], None]) -> None:
+    """Every prompt, then its tokens forced one by one, all submitted together; `observe(document
+    index, logits)` at every forced position."""
 
     async def one(i: int) -> None:
-        doc, forced = docs[i], reference[i].output_ids[:limit]
+        prompt, forced = forcing[i]
         if not forced:
             return
-        kind, language = DocumentKind(doc["kind"]), Language(doc["language"])
-        analysed = reference[i].analysis  # the reference's prompt names the polarity it decided
-        polarity = Polarity(analysed["sentiment"]["polarity"]) if analysed else Polarity.NEUTRAL
-        ids = engine.format_chat(render(BUILT_IN_KINDS[kind], language, doc["text"], polarity).messages)
         params = SamplingParams(max_new_tokens=len(forced), forced_ids=tuple(forced), ignore_eos=True)
-        await engine.submit(ids, params, lambda logits: observe(i, logits)).result()
+        await engine.submit(prompt, params, lambda logits: observe(i, logits)).result()
 
-    await asyncio.gather(*(one(i) for i in range(len(docs))))
+    await asyncio.gather(*(one(i) for i in range(len(forcing))))
 
 
 def dice(a: str, b: str) -> float:
@@ -346,6 +366,7 @@ def reference_key(args: Any, loaded: LoadedModel, docs: list[dict[str, Any]]) ->
         "pool_mib": args.pool_mib, "top_k": args.top_k, "tf_tokens": args.tf_tokens,
         "prefix_caching": args.prefix_caching,
         "reference_pass": "teacher-forced",  # references recorded while generating no longer match
+        "forced": args.forced,
     }  # fmt: skip
 
 
@@ -373,8 +394,11 @@ def load_reference(path: Path, key: dict[str, Any]) -> tuple[Baseline, dict[str,
 
 
 async def run_profile(
-    loaded: LoadedModel, name: str, docs: list[dict[str, Any]], args: Any, base: Baseline | None
-) -> tuple[dict[str, Any], list[DocResult], Reference]:
+    loaded: LoadedModel, name: str, docs: list[dict[str, Any]], args: Any, base: Baseline | None,
+    forcing: Forcing | None = None,
+) -> tuple[dict[str, Any], list[DocResult], Reference]:  # fmt: skip
+    """One profile's analyses and bytes; its KL along `forcing` (default: the reference's
+    analyses, `analysis_forcing`) against `base`, or, with no base, the reference recorded."""
     config = EngineConfig(
         model_path=Path("bench"), dynamic_batching=True, max_batch_size=args.max_batch,
         kv_cache_bytes=args.pool_mib << 20, prefix_caching=args.prefix_caching, **PROFILES[name],
@@ -382,10 +406,13 @@ async def run_profile(
     engine = Engine(config, loaded)
     async with engine:
         results, wall = await analysis_pass(engine, docs)
+        along = forcing or analysis_forcing(
+            engine, docs, results if base is None else base[0], args.tf_tokens
+        )
         if base is None:  # the reference: its distributions along its own outputs
-            ref, forced = await reference_pass(engine, docs, results, args.tf_tokens, args.top_k), []
+            ref, forced = await reference_pass(engine, along, args.top_k), []
         else:
-            ref, forced = base[1], await teacher_forced_pass(engine, docs, *base, args.tf_tokens)
+            ref, forced = base[1], await teacher_forced_pass(engine, along, base[1])
         preemptions = engine.stats().num_preemptions
     for r, (kl, top1) in zip(results, forced, strict=False):
         r.kl, r.top1 = kl, top1
@@ -441,6 +468,11 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--top-k", type=int, default=256)
     parser.add_argument("--tf-tokens", type=int, default=128, help="teacher-force this many output tokens")
+    parser.add_argument(
+        "--forced", choices=("analysis", "continuation"), default="analysis",
+        help="what KL is measured along: the uncompressed profile's analyses (the service's answers), "
+        "or bench.kv_formats' prompts and unconstrained greedy continuations (its KL through the engine)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("bench/results/kv-quality.json"))
     parser.add_argument(
         "--reference", type=Path, default=None,
@@ -466,9 +498,10 @@ def main() -> None:
         names.remove("off")
     elif args.reference is not None and args.reference.exists():
         console.print(f"{args.reference} was made under other settings: measuring off again, replacing it")
+    forcing = continuation_forcing(loaded, docs, args.tf_tokens) if args.forced == "continuation" else None
     for name in names:
         console.print(f"profile {name}: {len(docs)} documents ...")
-        summary, results, ref = asyncio.run(run_profile(loaded, name, docs, args, base))
+        summary, results, ref = asyncio.run(run_profile(loaded, name, docs, args, base, forcing))
         if base is None:
             base = (results, ref)
             if args.reference is not None:

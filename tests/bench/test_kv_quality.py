@@ -60,8 +60,9 @@ def test_a_saved_reference_comes_back_whole_only_under_the_key_it_was_made_with(
 
 async def test_the_reference_is_recorded_in_the_pass_profiles_are_measured_in() -> None:
     """Measured against its own reference pass an unchanged engine gives KL 0 at every position,
-    in a fresh engine too (batching order is the same in both passes); int4 moves the distributions."""
-    from bench.kv_quality import reference_pass, teacher_forced_pass
+    in a fresh engine too (batching order is the same in both passes); int4 moves the distributions.
+    The forced prompts name the polarity the reference decided, and force its first tokens."""
+    from bench.kv_quality import analysis_forcing, reference_pass, teacher_forced_pass
     from engine.tiny import build_tiny
 
     tiny = build_tiny("qwen2")
@@ -72,10 +73,11 @@ async def test_the_reference_is_recorded_in_the_pass_profiles_are_measured_in() 
                                           ("meeting_notes", "We agreed to ship on Monday.")])
     ]  # fmt: skip
     outputs = [[5 + i, 17, 42, 99, 3, 250, 7, 8, 11, 12, 40, 41] for i in range(len(docs))]
+    analyses = [{"sentiment": {"polarity": "negative"}}, None, {"sentiment": {"polarity": "positive"}}]
     reference = [
         DocResult(d["document_id"], d["kind"], d["language"], len(d["text"]), None, 0, out, 0.0, 0.0, False,
-                  None, 0, 0)
-        for d, out in zip(docs, outputs, strict=True)
+                  analysis, 0, 0)
+        for d, out, analysis in zip(docs, outputs, analyses, strict=True)
     ]  # fmt: skip
 
     def engine(**settings: object) -> Engine:
@@ -83,15 +85,19 @@ async def test_the_reference_is_recorded_in_the_pass_profiles_are_measured_in() 
         return Engine(config, tiny)
 
     async with engine() as first:
-        ref = await reference_pass(first, docs, reference, 10, top_k=8)
-        again = await teacher_forced_pass(first, docs, reference, ref, 10)
+        forcing = analysis_forcing(first, docs, reference, 10)
+        ref = await reference_pass(first, forcing, top_k=8)
+        again = await teacher_forced_pass(first, forcing, ref)
+    assert [forced for _, forced in forcing] == [out[:10] for out in outputs]
+    prompts = [first.decode(prompt) for prompt, _ in forcing]
+    assert "negative" in prompts[0] and "neutral" in prompts[1] and "positive" in prompts[2]
     assert [r.shape for r in ref.ids] == [(10, 8)] * len(docs)
     assert all(kls == [0.0] * 10 and all(top1) for kls, top1 in again)
     async with engine() as fresh:
-        assert all(kls == [0.0] * 10 for kls, _ in await teacher_forced_pass(fresh, docs, reference, ref, 10))
+        assert all(kls == [0.0] * 10 for kls, _ in await teacher_forced_pass(fresh, forcing, ref))
     settings = {"kv_compression": True, "kv_quant_bits": 4, "kv_residual_tokens": 0, "kv_sink_tokens": 0}
     async with engine(**settings) as int4:
-        moved = await teacher_forced_pass(int4, docs, reference, ref, 10)
+        moved = await teacher_forced_pass(int4, forcing, ref)
     assert max(k for kls, _ in moved for k in kls) > 0  # a tiny random model: small, never 0
 
 
