@@ -145,8 +145,8 @@ async def publish_documents(
 ) -> list[Sent]:
     """Publishes documents one after another (see `send_document` for the options)."""
     producer = make_producer(settings)
-    await producer.start()
     try:
+        await producer.start()  # inside: a start that fails still closes what it opened
         return [
             await send_document(
                 producer, settings, document, topic=topic, key=key, headers=headers, tracer=tracer
@@ -165,8 +165,8 @@ async def publish_raw(
     headers: list[tuple[str, bytes]] | None = None,
 ) -> Sent:
     producer = make_producer(settings)
-    await producer.start()
     try:
+        await producer.start()
         now_ms = int(time.time() * 1000)
         meta = await producer.send_and_wait(topic, value, key=key, headers=headers or [], timestamp_ms=now_ms)
         return Sent.of(key.decode(errors="replace") if key else "", meta, value, now_ms)
@@ -210,8 +210,8 @@ async def follow_answers(
     exactly `count` of them at most, for `timeout_s` at most (None: until the caller stops).
     `on_ready` is called once the consumer holds its positions: anything answered later is seen."""
     consumer = make_consumer(settings, grouped=False)
-    await consumer.start()
     try:
+        await consumer.start()
         await assign_answer_topics(consumer, settings, from_beginning=from_beginning)
         if on_ready is not None:
             on_ready()
