@@ -9,7 +9,9 @@ dynamic batching); each peer is started as a server from its own environment (bu
 `bench/peers_setup.sh` under `.peers/`, outside the product's dependencies), warmed with one
 request, and driven over HTTP with streaming responses, so its first token is timed where a
 client sees it. Every round runs every system, the order rotating; ratios are taken within a
-round (this machine's speed drifts over minutes) and the median round is reported.
+round (this machine's speed drifts over minutes) and the median round is reported. `ours@N` is our
+engine with N tokens per step (`MAX_TOKENS_PER_STEP`) instead of its default, run as a system of
+its own in the same rounds.
 
     python -m bench.peers --rounds 3 --out bench/results/peers-cpu.json
 """
@@ -42,6 +44,11 @@ from engine.loader import cpu_has_bf16
 
 PEERS = Path(__file__).resolve().parents[1] / ".peers"
 SYSTEMS = ("ours", "vllm", "llama")
+OURS_AT = re.compile(r"ours@(\d+)")  # our engine with that many tokens per step
+
+
+def is_ours(system: str) -> bool:
+    return system == "ours" or OURS_AT.fullmatch(system) is not None
 
 
 @dataclass
@@ -238,15 +245,18 @@ def peer_round(server: Server, prompts: list[list[int]], args: Any, round_: int,
     return results
 
 
-def ours_round(args: Any, round_: int) -> list[Result]:
-    """Our engine in a fresh process, each scenario in turn (`bench.engine_bench --part`)."""
+def ours_round(args: Any, round_: int, system: str = "ours") -> list[Result]:
+    """Our engine in a fresh process, each scenario in turn (`bench.engine_bench --part`); `ours@N`
+    with N tokens per step."""
+    step = OURS_AT.fullmatch(system)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "part.json"
         subprocess.run(
             [sys.executable, "-m", "bench.engine_bench", "--no-isolate", "--part", "--variants", "engine_dynamic",
              "--scenarios", args.scenarios, "--no-ttft-isolation", "--repeats", "1", "--docs", str(args.docs),
              "--new-tokens", str(args.new_tokens), "--max-batch", str(args.max_batch), "--rate", str(args.rate),
-             "--kv-cache-mib", "1024", "--warm-up", "--model", str(args.model), "--out", str(out)],
+             "--kv-cache-mib", "1024", "--warm-up", "--model", str(args.model), "--out", str(out),
+             *(["--step-tokens", step.group(1)] if step else [])],
             check=True, cwd=Path(__file__).resolve().parents[1],
         )  # fmt: skip
         runs = json.loads(out.read_text())["runs"]
@@ -255,7 +265,7 @@ def ours_round(args: Any, round_: int) -> list[Result]:
         if r["tokens"] != n * len(r["latencies_s"]):
             raise RuntimeError(f"our engine gave {r['tokens']} tokens for {len(r['latencies_s'])} x {n}")
     return [
-        Result("ours", r["scenario"], round_, r["wall_s"], [n] * len(r["latencies_s"]), r["latencies_s"],
+        Result(system, r["scenario"], round_, r["wall_s"], [n] * len(r["latencies_s"]), r["latencies_s"],
                r["ttfts_s"], r["peak_rss_mib"], {"tokens_total": r["tokens"], **r["extra"]})
         for r in runs
     ]  # fmt: skip
@@ -279,8 +289,8 @@ def main() -> None:
     args = parser.parse_args()
     args.model = common.model_path(args.model)
     systems = args.systems.split(",")
-    if unknown := set(systems) - set(SYSTEMS):
-        parser.error(f"unknown systems {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
+    if unknown := {s for s in systems if s not in SYSTEMS and not is_ours(s)}:
+        parser.error(f"unknown systems {sorted(unknown)}; known: {', '.join(SYSTEMS)}, ours@N")
     from transformers import AutoTokenizer
 
     prompts = load_prompts(AutoTokenizer.from_pretrained(args.model), args.docs)
@@ -298,8 +308,8 @@ def main() -> None:
         for system in order:
             console.print(f"round {round_ + 1}: {system} ...")
             got = (
-                ours_round(args, round_)
-                if system == "ours"
+                ours_round(args, round_, system)
+                if is_ours(system)
                 else peer_round(servers[system], prompts, args, round_, logs)
             )
             for r in got:
@@ -308,8 +318,9 @@ def main() -> None:
                               f"TTFT p50 {s['ttft_p50_s']:.2f} s, {min(r.tokens)}-{max(r.tokens)} tokens each")  # fmt: skip
             results += got
     summary = report(results, systems, args, console)
-    describe = {"ours": "our engine (dynamic batching, max batch "
-                        f"{args.max_batch}, 1 GiB KV, dtype auto)"} | {k: s.describe for k, s in servers.items()}  # fmt: skip
+    describe = {s: f"our engine (dynamic batching, max batch {args.max_batch}, 1 GiB KV, dtype auto"
+                   f"{', ' + s.partition('@')[2] + ' tokens per step' if '@' in s else ''})"
+                for s in systems if is_ours(s)} | {k: s.describe for k, s in servers.items()}  # fmt: skip
     if "llama" in servers:
         describe["llama_system_info"] = llama_system_info(servers["llama"], logs / "llama-system-info.log")
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -336,14 +347,14 @@ def report(results: list[Result], systems: list[str], args: Any, console: Consol
             table.add_row(system, scenario, f"{med['tok_s']:.1f}", f"{med['p50_s']:.1f}", f"{med['p95_s']:.1f}",
                           f"{med['ttft_p50_s']:.2f}", f"{med['ttft_p95_s']:.2f}", f"{med['peak_rss_mib']:.0f}")  # fmt: skip
     console.print(table)
-    if "ours" not in systems:
-        return summary
+    pairs = [(mine, other) for mine in systems if is_ours(mine) for other in systems
+             if not is_ours(other) or (mine != "ours" and other == "ours")]  # fmt: skip
     for scenario in args.scenarios.split(","):
-        for peer in (s for s in systems if s != "ours"):
+        for mine, peer in pairs:
             for key, label in (("tok_s", "tok/s"), ("p95_s", "p95 latency"), ("ttft_p95_s", "TTFT p95")):
-                per_round = [by[("ours", scenario, i)].summary()[key] / by[(peer, scenario, i)].summary()[key]
+                per_round = [by[(mine, scenario, i)].summary()[key] / by[(peer, scenario, i)].summary()[key]
                              for i in range(args.rounds)]  # fmt: skip
-                name = f"{scenario}: ours / {peer} {label}"
+                name = f"{scenario}: {mine} / {peer} {label}"
                 summary["ratios"][name] = {"rounds": per_round, "median": statistics.median(per_round)}
                 console.print(f"{name}: {statistics.median(per_round):.2f}x "
                               f"(rounds: {', '.join(f'{v:.2f}' for v in per_round)})")  # fmt: skip

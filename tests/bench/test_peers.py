@@ -8,9 +8,10 @@ import asyncio
 import json
 
 import httpx
+import pytest
 from rich.console import Console
 
-from bench.peers import Result, Server, _one, report
+from bench.peers import Result, Server, _one, is_ours, report
 
 
 def _sse(chunks: list[dict[str, object]], done: bool) -> bytes:
@@ -62,3 +63,18 @@ def test_ratios_are_taken_within_each_round_then_the_median() -> None:
     summary = report(results, ["ours", "vllm"], args, Console(file=None, quiet=True))
     assert summary["ratios"]["burst: ours / vllm tok/s"] == {"rounds": [0.5, 0.5, 0.5], "median": 0.5}
     assert summary["medians"]["vllm/burst"]["tok_s"] == 40.0
+
+
+def test_our_engine_at_another_step_size_is_compared_with_each_peer_and_with_the_default() -> None:
+    def result(system: str, round_: int, tok_s: float) -> Result:
+        return Result(system, "burst", round_, 10.0, [int(tok_s * 10)], [5.0], [1.0], 100.0)
+
+    results = [result("ours", i, 10.0) for i in range(3)] + [result("ours@512", i, 12.0) for i in range(3)]
+    results += [result("vllm", i, 15.0) for i in range(3)]
+    args = argparse.Namespace(scenarios="burst", docs=1, new_tokens=1, rounds=3)
+    ratios = report(results, ["ours", "ours@512", "vllm"], args, Console(file=None, quiet=True))["ratios"]
+    assert ratios["burst: ours / vllm tok/s"]["median"] == pytest.approx(10 / 15)
+    assert ratios["burst: ours@512 / vllm tok/s"]["median"] == pytest.approx(12 / 15)
+    assert ratios["burst: ours@512 / ours tok/s"]["median"] == pytest.approx(1.2)
+    assert not any(name.startswith("burst: ours / ours@") for name in ratios)
+    assert is_ours("ours@512") and is_ours("ours") and not is_ours("vllm") and not is_ours("ours@")
