@@ -47,8 +47,14 @@ SYSTEMS = ("ours", "vllm", "llama")
 OURS_AT = re.compile(r"ours@(\d+)")  # our engine with that many tokens per step
 
 
+def ours_step(system: str) -> str | None:
+    """The tokens per step `ours@N` names (None for any other system)."""
+    match = OURS_AT.fullmatch(system)
+    return match.group(1) if match else None
+
+
 def is_ours(system: str) -> bool:
-    return system == "ours" or OURS_AT.fullmatch(system) is not None
+    return system == "ours" or ours_step(system) is not None
 
 
 @dataclass
@@ -248,7 +254,7 @@ def peer_round(server: Server, prompts: list[list[int]], args: Any, round_: int,
 def ours_round(args: Any, round_: int, system: str = "ours") -> list[Result]:
     """Our engine in a fresh process, each scenario in turn (`bench.engine_bench --part`); `ours@N`
     with N tokens per step."""
-    step = OURS_AT.fullmatch(system)
+    step = ours_step(system)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "part.json"
         subprocess.run(
@@ -256,7 +262,7 @@ def ours_round(args: Any, round_: int, system: str = "ours") -> list[Result]:
              "--scenarios", args.scenarios, "--no-ttft-isolation", "--repeats", "1", "--docs", str(args.docs),
              "--new-tokens", str(args.new_tokens), "--max-batch", str(args.max_batch), "--rate", str(args.rate),
              "--kv-cache-mib", "1024", "--warm-up", "--model", str(args.model), "--out", str(out),
-             *(["--step-tokens", step.group(1)] if step else [])],
+             *(["--step-tokens", step] if step else [])],
             check=True, cwd=Path(__file__).resolve().parents[1],
         )  # fmt: skip
         runs = json.loads(out.read_text())["runs"]
@@ -319,7 +325,7 @@ def main() -> None:
             results += got
     summary = report(results, systems, args, console)
     describe = {s: f"our engine (dynamic batching, max batch {args.max_batch}, 1 GiB KV, dtype auto"
-                   f"{', ' + s.partition('@')[2] + ' tokens per step' if '@' in s else ''})"
+                   f"{f', {ours_step(s)} tokens per step' if ours_step(s) else ''})"
                 for s in systems if is_ours(s)} | {k: s.describe for k, s in servers.items()}  # fmt: skip
     if "llama" in servers:
         describe["llama_system_info"] = llama_system_info(servers["llama"], logs / "llama-system-info.log")

@@ -3,10 +3,8 @@ be ignored by the configuration, and the profile would silently run uncompressed
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
-import pytest
 import torch
 
 from bench.kv_quality import (
@@ -62,7 +60,8 @@ async def test_the_reference_is_recorded_in_the_pass_profiles_are_measured_in() 
     """Measured against its own reference pass an unchanged engine gives KL 0 at every position,
     in a fresh engine too (batching order is the same in both passes); int4 moves the distributions.
     The forced prompts name the polarity the reference decided, and force its first tokens."""
-    from bench.kv_quality import analysis_forcing, reference_pass, teacher_forced_pass
+    from bench.kv_forced import reference_pass, teacher_forced_pass
+    from bench.kv_quality import analysis_forcing
     from engine.tiny import build_tiny
 
     tiny = build_tiny("qwen2")
@@ -99,22 +98,3 @@ async def test_the_reference_is_recorded_in_the_pass_profiles_are_measured_in() 
     async with engine(**settings) as int4:
         moved = await teacher_forced_pass(int4, forcing, ref)
     assert max(k for kls, _ in moved for k in kls) > 0  # a tiny random model: small, never 0
-
-
-def test_next_token_agreement_is_zero_kl_for_the_same_logits_and_counts_a_tied_best_either_way() -> None:
-    from bench.kv_quality import next_token_agreement
-
-    logits = torch.tensor([2.0, 5.0, 5.0, 1.0, -3.0, 0.5])  # tokens 1 and 2 tie for the best
-    logp, ids = torch.log_softmax(logits, -1).topk(3)
-    kl, same = next_token_agreement(logits, ids, logp)
-    assert kl == pytest.approx(0.0, abs=1e-7) and same
-    swapped = torch.tensor([2.0, 5.0, 5.0, 1.0, -3.0, 0.5])[[0, 2, 1, 3, 4, 5]]  # argmax picks the other
-    assert next_token_agreement(swapped, ids, logp)[1]
-    moved = torch.tensor([2.0, 5.0, 4.0, 1.0, 3.0, 0.5])  # mass moves to token 4, outside the top 3
-    kl, same = next_token_agreement(moved, ids, logp)
-    p, q = torch.softmax(logits, -1), torch.softmax(moved, -1)
-    top = [int(i) for i in ids]  # tokens 1, 2 and 0
-    rest_p, rest_q = 1 - float(p[top].sum()), 1 - float(q[top].sum())
-    expected = float((p[top] * (p[top].log() - q[top].log())).sum()) + rest_p * math.log(rest_p / rest_q)
-    assert kl == pytest.approx(expected, rel=1e-5) and same  # token 1 is still the best
-    assert not next_token_agreement(torch.tensor([2.0, 1.0, 1.0, 9.0, 0.0, 0.0]), ids, logp)[1]
