@@ -42,7 +42,7 @@ import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 from rich.console import Console
@@ -64,6 +64,7 @@ from bench.engine_variants import (
 )
 from bench.random_model import SHAPES, build_random
 from engine import EngineConfig
+from engine.config import KVKernel
 from engine.linear import PackedLinear
 from engine.loader import LoadedModel, load_model, select_device, select_dtype
 
@@ -115,7 +116,7 @@ def in_child(args: Any, variants: str, scenarios: str, isolation: bool) -> dict[
         options = ["--dtype", args.dtype, "--docs", str(args.docs),
                    "--new-tokens", str(args.new_tokens), "--max-batch", str(args.max_batch),
                    "--step-tokens", str(args.step_tokens), "--rate", str(args.rate),
-                   "--kv-cache-mib", str(args.kv_cache_mib)]  # fmt: skip
+                   "--kv-cache-mib", str(args.kv_cache_mib), "--kv-kernel", args.kv_kernel]  # fmt: skip
         options += ["--prompt-ids", str(args.prompt_ids)] if args.prompt_ids else []
         if args.random_shape:
             options += ["--random-shape", args.random_shape, "--tokenizer", str(args.tokenizer)]
@@ -156,6 +157,10 @@ def main() -> None:
         "--warm-up", action="store_true", help="first one short request unmeasured (as servers get)"
     )
     parser.add_argument("--kv-cache-mib", type=int, default=1024, help="the engine's KV pool")
+    parser.add_argument(
+        "--kv-kernel", choices=get_args(KVKernel), default="auto",
+        help="the engine's KV_KERNEL: torch gathers decodes' history instead of reading it in place",
+    )  # fmt: skip
     parser.add_argument(
         "--prompt-ids", type=Path,
         help="a JSON list of prompts as token ids, the workload instead of the corpus's (its first --docs): "
@@ -225,8 +230,9 @@ def main() -> None:
                 unpacked.append(load_model(args.model, dtype=args.dtype, prepack_weights=False))
             model = unpacked[0]
         return engine_run(
-            model, prompts, n, at[scenario], dynamic, args.max_batch, args.step_tokens, prefix, pool, bits
-        )
+            model, prompts, n, at[scenario], dynamic, args.max_batch, args.step_tokens, prefix, pool, bits,
+            kv_kernel=args.kv_kernel,
+        )  # fmt: skip
 
     cuda = loaded.device.type == "cuda"
     if cuda:  # one-off CUDA start-up costs (cuBLAS, kernels) go unmeasured

@@ -10,8 +10,9 @@ dynamic batching); each peer is started as a server from its own environment (bu
 request, and driven over HTTP with streaming responses, so its first token is timed where a
 client sees it. Every round runs every system, the order rotating; ratios are taken within a
 round (this machine's speed drifts over minutes) and the median round is reported. `ours@N` is our
-engine with N tokens per step (`MAX_TOKENS_PER_STEP`) instead of its default, run as a system of
-its own in the same rounds.
+engine with N tokens per step (`MAX_TOKENS_PER_STEP`) instead of its default, and `ours:torch`
+our engine with decodes' history gathered by torch (`KV_KERNEL=torch`) instead of read in place
+by the native kernel, each run as a system of its own in the same rounds (`ours@512:torch` both).
 
     python -m bench.peers --rounds 3 --out bench/results/peers-cpu.json
 """
@@ -44,17 +45,24 @@ from engine.loader import cpu_has_bf16
 
 PEERS = Path(__file__).resolve().parents[1] / ".peers"
 SYSTEMS = ("ours", "vllm", "llama")
-OURS_AT = re.compile(r"ours@(\d+)")  # our engine with that many tokens per step
+# our engine with that many tokens per step, and/or that KV_KERNEL (`ours:torch`: decodes gathered)
+OURS = re.compile(r"ours(?:@(\d+))?(?::(auto|torch|avx2|portable))?")
 
 
 def ours_step(system: str) -> str | None:
     """The tokens per step `ours@N` names (None for any other system)."""
-    match = OURS_AT.fullmatch(system)
+    match = OURS.fullmatch(system)
     return match.group(1) if match else None
 
 
+def ours_kernel(system: str) -> str | None:
+    """The KV_KERNEL `ours:K` names (None for any other system)."""
+    match = OURS.fullmatch(system)
+    return match.group(2) if match else None
+
+
 def is_ours(system: str) -> bool:
-    return system == "ours" or ours_step(system) is not None
+    return OURS.fullmatch(system) is not None
 
 
 @dataclass
@@ -253,8 +261,8 @@ def peer_round(server: Server, prompts: list[list[int]], args: Any, round_: int,
 
 def ours_round(args: Any, round_: int, system: str = "ours") -> list[Result]:
     """Our engine in a fresh process, each scenario in turn (`bench.engine_bench --part`); `ours@N`
-    with N tokens per step."""
-    step = ours_step(system)
+    with N tokens per step, `ours:K` with KV_KERNEL=K."""
+    step, kernel = ours_step(system), ours_kernel(system)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "part.json"
         subprocess.run(
@@ -262,7 +270,7 @@ def ours_round(args: Any, round_: int, system: str = "ours") -> list[Result]:
              "--scenarios", args.scenarios, "--no-ttft-isolation", "--repeats", "1", "--docs", str(args.docs),
              "--new-tokens", str(args.new_tokens), "--max-batch", str(args.max_batch), "--rate", str(args.rate),
              "--kv-cache-mib", "1024", "--warm-up", "--model", str(args.model), "--out", str(out),
-             *(["--step-tokens", step] if step else [])],
+             *(["--step-tokens", step] if step else []), *(["--kv-kernel", kernel] if kernel else [])],
             check=True, cwd=Path(__file__).resolve().parents[1],
         )  # fmt: skip
         runs = json.loads(out.read_text())["runs"]
@@ -296,7 +304,9 @@ def main() -> None:
     args.model = common.model_path(args.model)
     systems = args.systems.split(",")
     if unknown := {s for s in systems if s not in SYSTEMS and not is_ours(s)}:
-        parser.error(f"unknown systems {sorted(unknown)}; known: {', '.join(SYSTEMS)}, ours@N")
+        parser.error(
+            f"unknown systems {sorted(unknown)}; known: {', '.join(SYSTEMS)}, ours@N, ours:K, ours@N:K"
+        )
     from transformers import AutoTokenizer
 
     prompts = load_prompts(AutoTokenizer.from_pretrained(args.model), args.docs)
@@ -325,7 +335,8 @@ def main() -> None:
             results += got
     summary = report(results, systems, args, console)
     describe = {s: f"our engine (dynamic batching, max batch {args.max_batch}, 1 GiB KV, dtype auto"
-                   f"{f', {ours_step(s)} tokens per step' if ours_step(s) else ''})"
+                   f"{f', {ours_step(s)} tokens per step' if ours_step(s) else ''}"
+                   f"{f', KV_KERNEL={ours_kernel(s)}' if ours_kernel(s) else ''})"
                 for s in systems if is_ours(s)} | {k: s.describe for k, s in servers.items()}  # fmt: skip
     if "llama" in servers:
         describe["llama_system_info"] = llama_system_info(servers["llama"], logs / "llama-system-info.log")

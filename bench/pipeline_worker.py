@@ -70,7 +70,7 @@ class InstantEngine:
             model_id="instant", device="cpu", dtype="none", num_waiting=0, num_running=0, num_steps=0, num_finished=0,
             num_generated_tokens=0, num_preemptions=0, mean_batch_size=0.0, largest_batch=0,
             kv_total_bytes=0, kv_used_bytes=0, kv_bytes_per_token=1, kv_tokens=0, kv_quant_bits=None,
-            kv_cold_bytes_per_token=0.0, kv_reader=None, prefix_caching=False, prefix_cached_blocks=0, prefix_hit_tokens=0,
+            kv_cold_bytes_per_token=0.0, kv_reader=None, decode_reader="torch", prefix_caching=False, prefix_cached_blocks=0, prefix_hit_tokens=0,
         )  # fmt: skip
 
 

@@ -52,12 +52,23 @@ class DecodeGroup:
 
 
 @dataclass(frozen=True)
+class InPlaceDecodes:
+    """Single-token sequences whose history is all full precision, attended where it lies in the
+    pool by the native kernel (`KVCache.kernel`): no gather, no padding, any lengths together."""
+
+    rows: torch.Tensor  # (B,) their rows in the packed input
+    slots: torch.Tensor  # their full-precision slots, one sequence after another
+    starts: torch.Tensor  # (B + 1,) where each sequence's slots begin, and the total
+
+
+@dataclass(frozen=True)
 class StepBatch:
     cache: KVCache
     new_slots: torch.Tensor  # (T,) where each packed token's key/value is stored
     seqs: list[SeqSlice]  # chunks of more than one token, attended one by one
     decodes: tuple[DecodeGroup, ...] = ()
     scores: dict[int, torch.Tensor] | None = None  # q_start -> (kv_len,) attention received, summed
+    in_place: InPlaceDecodes | None = None
 
 
 def group_decodes(
@@ -72,6 +83,18 @@ def group_decodes(
         else:
             groups.append([d])
     return tuple(_decode_group(g, kv_heads, block_size, device) for g in groups)
+
+
+def in_place_decodes(decodes: list[SeqSlice]) -> tuple[InPlaceDecodes | None, list[SeqSlice]]:
+    """The decodes the native kernel attends in place (those without quantised history), and the
+    rest, for `group_decodes`."""
+    hot = [d for d in decodes if not d.cold_tokens]
+    rest = [d for d in decodes if d.cold_tokens]
+    if not hot:
+        return None, rest
+    lengths = torch.tensor([0] + [d.hot_len for d in hot], dtype=torch.long)
+    rows = torch.tensor([d.q_start for d in hot], dtype=torch.long)
+    return InPlaceDecodes(rows, torch.cat([d.kv_slots for d in hot]), lengths.cumsum(0)), rest
 
 
 def _decode_group(decodes: list[SeqSlice], kv_heads: int, block: int, device: torch.device) -> DecodeGroup:
@@ -153,6 +176,23 @@ def decode_attention(
     return torch.baddbmm(out, probs[..., :split], cold.values).view(num, kv_heads * groups, head_dim)
 
 
+def in_place_attention(
+    query: torch.Tensor,  # (H, T, D): the step's queries
+    cache: KVCache,
+    layer: int,
+    decodes: InPlaceDecodes,
+    scale: float,
+) -> torch.Tensor:
+    """`decode_attention` for full-precision histories, by the native kernel reading the pool
+    where each token lies: (B, H, D). Float32 arithmetic; agrees with the torch path to rounding."""
+    if cache.kernel is None:
+        raise RuntimeError("in-place decode attention needs the native kernel")
+    q = query.index_select(1, decodes.rows).transpose(0, 1).contiguous()  # (B, H, D)
+    return cache.kernel.decode_attention(
+        q, cache.keys[layer], cache.values[layer], decodes.slots, decodes.starts, scale
+    )
+
+
 def window_attention(query: torch.Tensor, key: torch.Tensor, window: int, scale: float) -> torch.Tensor:
     """Attention each key receives from the last `window` queries, summed over them and all
     heads: (L,). query (H, q, D), key (KVH, L, D), the queries being the last of the L tokens."""
@@ -185,6 +225,8 @@ def paged_attention(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     step.cache.write(layer, step.new_slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
     out = torch.empty(query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype, device=query.device)
+    if step.in_place is not None:
+        out[step.in_place.rows] = in_place_attention(query[0], step.cache, layer, step.in_place, scale)
     for group in step.decodes:
         out[group.rows] = decode_attention(query[0], step.cache, layer, group, scale)
     for seq in step.seqs:

@@ -67,6 +67,7 @@ class EngineStats:
     kv_quant_bits: int | None  # the fewest bits of any layer (see KV_INT8_LAYERS); None: uncompressed
     kv_cold_bytes_per_token: float  # of a quantised block, all layers; 0 when uncompressed
     kv_reader: str | None  # how quantised blocks are read: "native-<isa>" or "torch"; None: none
+    decode_reader: str  # how decodes read full-precision history: "native-<isa>" (in place) or "torch"
     prefix_caching: bool
     prefix_cached_blocks: int  # blocks holding a registered prefix, in use or evictable
     prefix_hit_tokens: int  # prompt tokens adopted from the cache instead of computed, since start
@@ -119,11 +120,13 @@ class Engine:
         self._num_finished = 0
         self._num_tokens = 0
         log.info(
-            "KV pool: %d full-precision + %d int%d blocks x %d tokens%s, %.1f MiB (%d bytes/token full)%s",
+            "KV pool: %d full-precision + %d int%d blocks x %d tokens%s, %.1f MiB (%d bytes/token full)%s; "
+            "decode attention: %s",
             num_blocks, num_cold, config.kv_quant_bits, config.block_size,
             f" (int8 in layers {list(config.kv_int8_layers)})" if config.kv_int8_layers else "",
             self.cache.total_bytes / 2**20,
             shape.bytes_per_token, f", read by {self.cache.cold.reader}" if self.cache.cold else "",
+            self.cache.decode_reader,
         )  # fmt: skip
         if config.quantising and not num_cold:
             log.warning("KV_COMPRESSION=true but the KV budget leaves no room for quantised blocks")
@@ -299,6 +302,7 @@ class Engine:
             kv_quant_bits=cold.lowest_bits if cold else None,
             kv_cold_bytes_per_token=cold_block / self.cache.block_size,
             kv_reader=cold.reader if cold else None,
+            decode_reader=self.cache.decode_reader,
             prefix_caching=self.blocks.prefix_caching,
             prefix_cached_blocks=self.blocks.num_cached,
             prefix_hit_tokens=self.blocks.num_cache_hits * self.blocks.block_size,

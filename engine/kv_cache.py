@@ -234,7 +234,10 @@ class KVCache:
         block_size: int,
         device: torch.device,
         cold: ColdStore | None = None,
+        kernel: NativeKernel | None = None,
     ) -> None:
+        """`kernel`: the native kernel that attends decodes over full-precision slots in place
+        (`attention.in_place_attention`); None: torch gathers them (`attention.decode_attention`)."""
         self.shape = shape
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -243,6 +246,12 @@ class KVCache:
         self.keys = torch.zeros(size, dtype=shape.dtype, device=device)
         self.values = torch.zeros(size, dtype=shape.dtype, device=device)
         self.cold = cold
+        self.kernel = kernel
+
+    @property
+    def decode_reader(self) -> str:
+        """How decodes read full-precision history: "native-<isa>" (in place) or "torch" (gathered)."""
+        return f"native-{self.kernel.attention_isa}" if self.kernel is not None else "torch"
 
     @property
     def bytes_per_block(self) -> int:

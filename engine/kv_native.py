@@ -1,15 +1,22 @@
-"""Reading quantised KV rows on the CPU in one pass: the C kernel in `kv_native.c`.
+"""The engine's C kernels for reading the KV cache on the CPU, built at start for this CPU.
 
-Torch's eager CPU path reads a (block, KV head) row of the quantised store as a gather, a
-conversion of the codes and a broadcast multiply-add, three passes over memory with bf16
-arithmetic in between; the kernel gathers, converts and applies each row's scale and offset
-in one pass, and returns what `kv_quant.read_rows` returns (to within one bf16 rounding).
+Two kernels, one library:
+- `kv_native.c` reads quantised KV rows in one pass. Torch's eager CPU path reads a (block, KV
+  head) row of the quantised store as a gather, a conversion of the codes and a broadcast
+  multiply-add, three passes over memory with bf16 arithmetic in between; the kernel gathers,
+  converts and applies each row's scale and offset in one pass, and returns what
+  `kv_quant.read_rows` returns (to within one bf16 rounding).
+- `attention_native.c` is decode attention over full-precision slots where they lie in the paged
+  pool: torch's path (`attention.decode_attention`) first gathers every sequence's history into
+  a padded copy. Float32 arithmetic; its results agree with torch's to rounding. Its threads are
+  torch's own OpenMP workers (the library links the libgomp torch has loaded).
 
-The kernel is compiled when an engine with a quantised store first needs it, with the machine's
-C compiler (`CC`, else `cc`) for this CPU (`-march=native`), into a temporary folder that is
-removed once the library is loaded: there is no build artefact to go stale when the image
-moves to another CPU. Without a compiler, or if the build fails, `load()` says why and returns
-None; the cache then reads with torch (slower on CPU, identical in result).
+The library is compiled when an engine first needs it, with the machine's C compiler (`CC`,
+else `cc`) for this CPU (`-march=native`), into a temporary folder that is removed once the
+library is loaded: there is no build artefact to go stale when the image moves to another CPU.
+A compiler without OpenMP builds it single-threaded. Without a compiler, or if the build fails,
+`load()` says why and returns None; the cache then reads with torch (slower on CPU, identical in
+result).
 """
 
 from __future__ import annotations
@@ -28,8 +35,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kv_native.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("kv_native.c", "attention_native.c"))
 FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC")
+OPENMP = "-fopenmp"  # threads from the OpenMP runtime torch has loaded (libgomp.so.1)
 DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -41,6 +49,15 @@ class NativeKernelError(RuntimeError):
 class NativeKernel:
     library: ctypes.CDLL
     isa: str  # "avx512-bf16", "avx2" or "generic": the instruction set the build reads rows with
+    attention_isa: str  # "avx512-bf16", "avx2" or "generic": that of decode attention
+
+    def attends_faster(self, dtype: torch.dtype) -> bool:
+        """Whether this build's decode attention beats torch's gathered path in `dtype`, as
+        `bench.decode_attention` measured it (bench/results/decode-attention-cpu-amx.json, one CPU
+        running all three builds): the AVX-512 tiles in bf16 (1.4x) and fp32 (2.5x), the AVX2
+        loops in fp32 (1.2x); not the AVX2 loops in bf16 (0.55x) nor the portable ones (0.4-0.9x)."""
+        isa = self.attention_isa
+        return isa == "avx512-bf16" or (isa == "avx2" and dtype == torch.float32)
 
     def dequantize(
         self,
@@ -77,6 +94,42 @@ class NativeKernel:
             raise NativeKernelError(f"rows out of range (of {num_rows}) or an unknown {bits}-bit format")
         return out
 
+    def decode_attention(
+        self,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        slots: torch.Tensor,
+        starts: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention of single-token queries (B, H, D) to their histories in a layer's cache, keys
+        and values (S, KVH, D): sequence i's tokens at slots[starts[i]:starts[i + 1]] (long), in
+        order; query head kv * (H // KVH) + g attends with KV head kv. Returns (B, H, D)."""
+        seqs, heads, dim = query.shape
+        kv_heads = keys.shape[1]
+        parts = (query, keys, values, slots, starts)
+        if any(t.device.type != "cpu" or not t.is_contiguous() for t in parts):
+            raise NativeKernelError("the native KV kernel reads contiguous CPU tensors only")
+        if keys.shape != values.shape or keys.dim() != 3 or keys.shape[2] != dim or heads % kv_heads:
+            shapes = (tuple(t.shape) for t in (keys, values, query))
+            raise NativeKernelError("keys {}, values {}, query {}: not one layer's cache".format(*shapes))
+        if query.dtype not in DTYPES or keys.dtype != query.dtype or values.dtype != query.dtype:
+            raise NativeKernelError(f"unsupported dtypes: {query.dtype}, {keys.dtype}, {values.dtype}")
+        if slots.dtype != torch.long or starts.dtype != torch.long or starts.shape != (seqs + 1,):
+            raise NativeKernelError(f"slots {slots.dtype}, starts {tuple(starts.shape)} for {seqs} sequences")
+        if int(starts[0]) != 0 or int(starts[-1]) != slots.shape[0]:
+            raise NativeKernelError("starts must run from 0 to the number of slots")
+        out = torch.empty_like(query)
+        status = self.library.kv_decode_attention(
+            query.data_ptr(), keys.data_ptr(), values.data_ptr(), slots.data_ptr(), starts.data_ptr(), seqs,
+            kv_heads, heads // kv_heads, dim, keys.shape[0], scale, int(query.dtype == torch.float32),
+            out.data_ptr(),
+        )  # fmt: skip
+        if status:
+            raise NativeKernelError(f"a slot out of range (of {keys.shape[0]}) or a sequence without tokens")
+        return out
+
 
 def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
@@ -95,11 +148,13 @@ def load(march: str = "native") -> NativeKernel | None:
         return None
     with tempfile.TemporaryDirectory(prefix="deepanalyze-kv-") as folder:
         target = Path(folder) / "kv_native.so"
+        command = [compiler, *FLAGS, f"-march={march}", *map(str, SOURCES), "-o", str(target)]
         try:
-            subprocess.run(  # noqa: S603 - our own source, a compiler found on PATH
-                [compiler, *FLAGS, f"-march={march}", str(SOURCE), "-o", str(target)],
-                check=True, capture_output=True, text=True, timeout=120,
-            )  # fmt: skip
+            try:
+                _build([*command, OPENMP])
+            except subprocess.CalledProcessError:  # a compiler without OpenMP: one thread
+                _build(command)
+                log.warning("the C compiler has no OpenMP: native decode attention runs on one thread")
             library = ctypes.CDLL(str(target))  # mapped now; the file may go with the folder
         except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", "") or exc
@@ -111,4 +166,13 @@ def load(march: str = "native") -> NativeKernel | None:
     library.kv_dequantize_rows.argtypes = [
         pointer, pointer, pointer, i32, i32, i32, i64, i64, i64, pointer, i64, pointer,
     ]  # fmt: skip
-    return NativeKernel(library, library.kv_native_isa().decode())
+    library.kv_attention_isa.restype = ctypes.c_char_p
+    library.kv_decode_attention.restype = ctypes.c_int
+    library.kv_decode_attention.argtypes = [
+        pointer, pointer, pointer, pointer, pointer, i64, i64, i64, i64, i64, ctypes.c_float, i32, pointer,
+    ]  # fmt: skip
+    return NativeKernel(library, library.kv_native_isa().decode(), library.kv_attention_isa().decode())
+
+
+def _build(command: list[str]) -> None:
+    subprocess.run(command, check=True, capture_output=True, text=True, timeout=120)  # noqa: S603 - our sources

@@ -230,14 +230,19 @@ def build_cache(config: EngineConfig, shape: KVShape, device: torch.device, max_
     """The pool. Its size: KV_CACHE_BYTES when set; else what the batch can use, every running
     sequence at `max_len` tokens, within a share of free memory. Uncompressed: all full-precision
     blocks. Compressed: enough full-precision blocks for every running sequence's sinks, recent
-    window and one step's prompt chunk, the rest as quantised blocks."""
+    window and one step's prompt chunk, the rest as quantised blocks. On a CPU the native kernel
+    reads quantised blocks, and attends decodes in place where its build does that faster than
+    torch's gathered path (`NativeKernel.attends_faster`)."""
     cap, size = pool_cap(config, device), config.block_size
     hot_bytes = shape.bytes_per_token * size
+    native = config.kv_kernel != "torch" and device.type == "cpu" and shape.dtype in kv_native.DTYPES
+    kernel = kv_native.load(kernel_target(config.kv_kernel)) if native else None
+    attends = kernel if kernel is not None and kernel.attends_faster(shape.dtype) else None
     # with the default budget, blocks beyond every running sequence at full length would stay idle
     usable = None if config.kv_cache_bytes is not None else config.effective_batch_size * -(-max_len // size)
     if not config.quantising:
         blocks = cap // hot_bytes if usable is None else min(cap // hot_bytes, usable)
-        return KVCache(shape, max(1, blocks), size, device)
+        return KVCache(shape, max(1, blocks), size, device, kernel=attends)
     fmt = layer_formats(shape.num_layers, config.kv_quant_bits, config.kv_int8_layers)
     per_seq = -(-config.kv_sink_tokens // size) + -(-config.kv_residual_tokens // size) + 2
     hot_needed = config.effective_batch_size * per_seq + -(-config.max_tokens_per_step // size)
@@ -248,11 +253,9 @@ def build_cache(config: EngineConfig, shape: KVShape, device: torch.device, max_
     if usable is not None:
         cold = min(cold, usable)
     if not cold:
-        return KVCache(shape, hot, size, device)
-    native = config.kv_kernel != "torch" and device.type == "cpu" and shape.dtype in kv_native.DTYPES
-    kernel = kv_native.load(kernel_target(config.kv_kernel)) if native else None
+        return KVCache(shape, hot, size, device, kernel=attends)
     cold_store = ColdStore(shape, fmt, cold, size, device, kernel, rotate=config.kv_rotate)
-    return KVCache(shape, hot, size, device, cold_store)
+    return KVCache(shape, hot, size, device, cold_store, attends)
 
 
 # An older CPU's kernel path: its compiler target (-march) and the CPU flags it needs.

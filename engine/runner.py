@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import SeqSlice, StepBatch, group_decodes
+from engine.attention import SeqSlice, StepBatch, group_decodes, in_place_decodes
 from engine.block_manager import BlockManager
 from engine.grammar import GrammarCompiler, allocate_bitmask, apply_bitmask
 from engine.kv_cache import KVCache, slots_of
@@ -116,12 +116,14 @@ class ModelRunner:
             self.model.config, "use_sliding_window", False
         )
         decodes = [] if sliding else [s for s in seqs if s.q_len == 1]
+        in_place, decodes = in_place_decodes(decodes) if self.cache.kernel is not None else (None, decodes)
         batch = StepBatch(
             self.cache,
             torch.cat(new_slots).to(self.device),
             [s for s in seqs if s.q_len > 1 or sliding],
             group_decodes(decodes, self.cache.shape.num_kv_heads, self.block_size, self.device),
             step_scores,
+            in_place,
         )
         sampling = [c.seq.request.hidden for c in plan if c.samples]
         hooks = _HiddenTaps(

@@ -50,6 +50,7 @@ def status_report(service: Service) -> dict[str, Any]:
             "batch_occupancy": round(stats.mean_batch_size / config.max_batch_size, 3),
             "generated_tokens": stats.num_generated_tokens,
             "preemptions": stats.num_preemptions,
+            "decode_attention": stats.decode_reader,  # "native-<isa>": read in place; "torch": gathered
         },
         "kv_pool": {
             "total_bytes": stats.kv_total_bytes,

@@ -146,6 +146,7 @@ class ScriptedEngine:
             kv_quant_bits=4 if self.kv_compression else None,
             kv_cold_bytes_per_token=2.5 if self.kv_compression else 0.0,
             kv_reader="torch" if self.kv_compression else None,
+            decode_reader="torch",
             prefix_caching=False,
             prefix_cached_blocks=0,
             prefix_hit_tokens=0,

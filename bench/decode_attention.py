@@ -1,0 +1,146 @@
+"""How fast decode attention reads full-precision history: torch's path, which gathers each
+sequence's keys and values out of the paged pool into a padded copy before its batched products
+(`attention.decode_attention`), against the native kernel reading them where they lie
+(`attention.in_place_attention`), built for each path this CPU runs (its own, `-march=native`;
+AVX2's and the portable one, what older CPUs build), in one run.
+
+The cache has the default model's attention shape (14 query heads over 2 KV heads of 64
+channels, 16-token blocks) and `--layers` layers of random keys and values; `--seqs` sequences
+of `--history` tokens on average (+-20 %, so that torch groups them by length as in a step), their
+blocks scattered over the pool. A timed call is one step's decode attention: every layer once.
+Readers run in rotated order every round; the median round's time is reported, with the speed
+against torch's (torch's time over the reader's) taken within each round. Each reader's output
+is checked against torch's before it is timed.
+
+    python -m bench.decode_attention --out bench/results/decode-attention-cpu.json
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from bench import common
+from engine import kv_native
+from engine.attention import SeqSlice, decode_attention, group_decodes, in_place_attention, in_place_decodes
+from engine.config import KVKernel
+from engine.kv_cache import KVCache, KVShape, slots_of
+from engine.kv_native import NativeKernel
+from engine.kv_policy import kernel_target
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 14, 2, 64, 16
+
+
+def builds() -> dict[str, NativeKernel]:
+    """Name -> the kernel built for each path this CPU runs."""
+    found: dict[str, NativeKernel] = {}
+    choices: tuple[KVKernel, ...] = ("portable", "avx2", "auto")
+    for choice in choices:
+        try:
+            target = kernel_target(choice)
+        except ValueError:  # this CPU lacks the path
+            continue
+        kernel = kv_native.load(target)
+        if kernel is not None:
+            name = f"this CPU's ({kernel.attention_isa})" if choice == "auto" else choice
+            found[f"in place, {name}"] = kernel
+    return found
+
+
+def paged(dtype: torch.dtype, layers: int, seqs: int, history: int) -> tuple[KVCache, list[SeqSlice]]:
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(int(history * 0.8), int(history * 1.2) + 1, (seqs,), generator=gen).tolist()
+    tables = [-(-n // BLOCK) for n in lengths]
+    order = torch.randperm(sum(tables), generator=gen).tolist()
+    cache = KVCache(KVShape(layers, KV_HEADS, HEAD_DIM, dtype), len(order), BLOCK, torch.device("cpu"))
+    cache.keys.copy_(torch.randn(cache.keys.shape, generator=gen))
+    cache.values.copy_(torch.randn(cache.values.shape, generator=gen))
+    slices, used = [], 0
+    for i, (n, blocks) in enumerate(zip(lengths, tables, strict=True)):
+        slices.append(SeqSlice(i, 1, slots_of(order[used : used + blocks], n, BLOCK)))
+        used += blocks
+    return cache, slices
+
+
+def readers(cache: KVCache, seqs: list[SeqSlice]) -> dict[str, Callable[[torch.Tensor, int], torch.Tensor]]:
+    """Name -> one layer's decode attention (query (H, B, D), layer) -> (B, H, D)."""
+    groups = group_decodes(seqs, KV_HEADS, BLOCK, torch.device("cpu"))
+    decodes, _ = in_place_decodes(seqs)
+    if decodes is None:
+        raise ValueError("no sequences to attend")
+
+    def gathered(query: torch.Tensor, layer: int) -> torch.Tensor:
+        out = torch.empty(query.shape[1], HEADS, HEAD_DIM, dtype=query.dtype)
+        for group in groups:
+            out[group.rows] = decode_attention(query, cache, layer, group, HEAD_DIM**-0.5)
+        return out
+
+    def in_place(kernel: NativeKernel) -> Callable[[torch.Tensor, int], torch.Tensor]:
+        def read(query: torch.Tensor, layer: int) -> torch.Tensor:
+            cache.kernel = kernel
+            return in_place_attention(query, cache, layer, decodes, HEAD_DIM**-0.5)
+
+        return read
+
+    return {"gathered (torch)": gathered} | {name: in_place(k) for name, k in builds().items()}
+
+
+def main() -> None:
+    parser = common.parser(__doc__)
+    parser.add_argument("--seqs", type=int, default=32, help="sequences decoding at once")
+    parser.add_argument("--history", type=int, default=1024, help="tokens per sequence, on average")
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--steps", type=int, default=3, help="steps timed per reader and round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/decode-attention.json"))
+    args = parser.parse_args()
+    console = Console(width=160)
+    table = Table("dtype", "reader", "ms per step (median)", "GB/s of history", "speed vs torch (median)",
+                  title=f"decode attention, {args.seqs} sequences x ~{args.history} tokens, {args.layers} "
+                        f"layers, {args.rounds} rounds")  # fmt: skip
+    cases: list[dict[str, Any]] = []
+    for dtype_name, dtype in DTYPES.items():
+        cache, seqs = paged(dtype, args.layers, args.seqs, args.history)
+        query = torch.randn(HEADS, args.seqs, HEAD_DIM, generator=torch.Generator().manual_seed(1)).to(dtype)
+        reads = readers(cache, seqs)
+        with torch.inference_mode():
+            reference = reads["gathered (torch)"](query, 0).float()
+            step = 2**-6 if dtype == torch.bfloat16 else 1e-5
+            for name, read in reads.items():  # checked, and warmed
+                torch.testing.assert_close(read(query, 0).float(), reference, rtol=step, atol=step, msg=name)
+            times: dict[str, list[float]] = {name: [] for name in reads}
+            names = list(reads)
+            for round_ in range(args.rounds):
+                for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+                    start = time.perf_counter()
+                    for _ in range(args.steps):
+                        for layer in range(args.layers):
+                            reads[name](query, layer)
+                    times[name].append((time.perf_counter() - start) / args.steps)
+        history_bytes = 2 * sum(s.hot_len for s in seqs) * KV_HEADS * HEAD_DIM * args.layers * dtype.itemsize
+        for name in names:
+            ratios = [t_torch / t for t, t_torch in zip(times[name], times["gathered (torch)"], strict=True)]
+            median = statistics.median(times[name])
+            case = {"dtype": dtype_name, "reader": name, "s_per_step": times[name], "s_median": median,
+                    "speed_vs_torch": ratios, "speed_vs_torch_median": statistics.median(ratios)}  # fmt: skip
+            cases.append(case)
+            table.add_row(dtype_name, name, f"{median * 1e3:.1f}", f"{history_bytes / median / 1e9:.1f}",
+                          f"{case['speed_vs_torch_median']:.2f}x")  # fmt: skip
+    console.print(table)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"machine": common.machine(), "config": {k: str(v) for k, v in vars(args).items()},
+                                    "threads": torch.get_num_threads(), "cases": cases}, indent=1))  # fmt: skip
+    console.print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""Decode attention read in place by the native kernel (`attention_native.c`): what attention over
+the same keys and values computed by hand gives, on every build this CPU runs, and the same
+tokens as torch's gathered path in the engine."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import Engine, EngineConfig, SamplingParams, kv_native
+from engine.attention import SeqSlice, decode_attention, group_decodes, in_place_attention, in_place_decodes
+from engine.kv_cache import KVCache, KVShape, slots_of
+from engine.kv_native import NativeKernelError
+from engine.loader import LoadedModel
+from engine.tiny import build_tiny
+from tests.engine.test_kv_compression import native_kernel, runnable_builds
+
+# 1: a lone token; 15, 17: either side of a 16-key tile; 70, 200: past a 64-key value tile
+LENGTHS = (1, 15, 17, 70, 200)
+
+
+def paged_cache(shape: KVShape, lengths: tuple[int, ...], seed: int) -> tuple[KVCache, list[SeqSlice]]:
+    """A cache of random keys and values, each sequence's blocks scattered over the pool."""
+    size = 16
+    tables = [-(-n // size) for n in lengths]
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.randperm(sum(tables) + 3, generator=gen).tolist()
+    cache = KVCache(shape, len(order), size, torch.device("cpu"))
+    cache.keys.copy_(torch.randn(cache.keys.shape, generator=gen))
+    cache.values.copy_(torch.randn(cache.values.shape, generator=gen))
+    seqs, used = [], 0
+    for i, (n, blocks) in enumerate(zip(lengths, tables, strict=True)):
+        seqs.append(SeqSlice(i, 1, slots_of(order[used : used + blocks], n, size)))
+        used += blocks
+    return cache, seqs
+
+
+def by_hand(query: torch.Tensor, cache: KVCache, seq: SeqSlice, scale: float) -> torch.Tensor:
+    """(H, D) in float64: query head kv * G + g against KV head kv."""
+    keys, values = (t[0, seq.kv_slots].double().transpose(0, 1) for t in (cache.keys, cache.values))
+    q = query[:, seq.q_start].double().view(keys.shape[0], -1, keys.shape[2])  # (KVH, G, D)
+    probs = torch.softmax(q @ keys.transpose(1, 2) * scale, dim=-1)  # (KVH, G, L)
+    return (probs @ values).flatten(0, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128, 24])  # 64, 128: AVX-512 tiles; 24: the loops
+def test_every_build_attends_in_place_as_attention_by_hand(head_dim: int, dtype: torch.dtype) -> None:
+    """Sequences of 1 to 200 tokens in scattered blocks, seven query heads to a KV head: each build
+    (this CPU's, and the AVX2 and portable ones it also runs) gives float64 attention over the same
+    keys and values, to float32 rounding (bf16: the output's one rounding)."""
+    native_kernel()
+    shape = KVShape(num_layers=1, num_kv_heads=2, head_dim=head_dim, dtype=dtype)
+    cache, seqs = paged_cache(shape, LENGTHS, seed=head_dim)
+    query = torch.randn(14, len(seqs), head_dim, generator=torch.Generator().manual_seed(3)).to(dtype)
+    scale = head_dim**-0.5
+    decodes, rest = in_place_decodes(seqs)
+    assert decodes is not None and not rest
+    expected = torch.stack([by_hand(query, cache, seq, scale) for seq in seqs])
+    step = 2**-8 if dtype == torch.bfloat16 else 1e-6
+    for march, _ in [("native", ""), *runnable_builds()]:
+        kernel = kv_native.load(march)
+        assert kernel is not None
+        cache.kernel = kernel
+        got = in_place_attention(query, cache, 0, decodes, scale)
+        assert got.dtype == dtype and got.shape == (len(seqs), 14, head_dim)
+        torch.testing.assert_close(
+            got.double(), expected, rtol=step, atol=step, msg=f"{march} ({kernel.attention_isa})"
+        )
+
+
+def test_in_place_and_gathered_decode_attention_agree() -> None:
+    """The same step's decodes through torch's gathered, padded path: the same result to rounding."""
+    native_kernel()
+    shape = KVShape(num_layers=1, num_kv_heads=2, head_dim=64, dtype=torch.float32)
+    cache, seqs = paged_cache(shape, LENGTHS, seed=7)
+    cache.kernel = native_kernel()
+    query = torch.randn(14, len(seqs), 64, generator=torch.Generator().manual_seed(4))
+    decodes, _ = in_place_decodes(seqs)
+    assert decodes is not None
+    in_place = in_place_attention(query, cache, 0, decodes, 0.125)
+    for group in group_decodes(seqs, 2, 16, torch.device("cpu")):
+        gathered = decode_attention(query, cache, 0, group, 0.125)
+        torch.testing.assert_close(in_place[group.rows], gathered, rtol=1e-5, atol=1e-5)
+
+
+def test_decodes_with_quantised_history_stay_on_the_gathered_path() -> None:
+    hot = SeqSlice(0, 1, torch.arange(5))
+    cold = SeqSlice(1, 1, torch.arange(5, 9), torch.tensor([0]), 16)
+    decodes, rest = in_place_decodes([hot, cold])
+    assert decodes is not None and rest == [cold]
+    assert decodes.rows.tolist() == [0] and decodes.starts.tolist() == [0, 5]
+    assert in_place_decodes([cold]) == (None, [cold])
+
+
+def test_the_native_attention_refuses_what_it_cannot_read() -> None:
+    kernel = native_kernel()
+    keys = values = torch.zeros(8, 2, 16)
+    query = torch.zeros(2, 4, 16)
+    slots, starts = torch.tensor([0, 1, 7]), torch.tensor([0, 2, 3])
+    assert kernel.decode_attention(query, keys, values, slots, starts, 0.25).shape == (2, 4, 16)
+    with pytest.raises(NativeKernelError, match="out of range"):
+        kernel.decode_attention(query, keys, values, torch.tensor([0, 1, 8]), starts, 0.25)
+    with pytest.raises(NativeKernelError, match="without tokens"):
+        kernel.decode_attention(query, keys, values, slots, torch.tensor([0, 0, 3]), 0.25)
+    with pytest.raises(NativeKernelError, match="from 0 to the number of slots"):
+        kernel.decode_attention(query, keys, values, slots, torch.tensor([0, 2, 2]), 0.25)
+    with pytest.raises(NativeKernelError, match="dtypes"):
+        kernel.decode_attention(query.bfloat16(), keys, values, slots, starts, 0.25)
+    with pytest.raises(NativeKernelError, match="one layer's cache"):
+        kernel.decode_attention(torch.zeros(2, 3, 16), keys, values, slots, starts, 0.25)
+    with pytest.raises(NativeKernelError, match="contiguous"):
+        kernel.decode_attention(
+            query.transpose(0, 1).contiguous().transpose(0, 1), keys, values, slots, starts, 0.25
+        )
+
+
+@pytest.fixture(scope="module")
+def tiny(test_device: torch.device) -> LoadedModel:
+    return build_tiny("qwen2", device=test_device)
+
+
+async def test_in_place_and_gathered_decodes_generate_the_same_tokens(tiny: LoadedModel) -> None:
+    """fp32, greedy, five requests batched: the engine decodes with the kernel on a CPU unless
+    told KV_KERNEL=torch, and both give the same tokens."""
+    if tiny.device.type != "cpu":
+        pytest.skip("the native kernel is for CPU caches")
+    kernel = native_kernel()
+
+    async def run(**options: object) -> list[list[int]]:
+        config = EngineConfig(
+            model_path=Path("unused"), dtype="float32", kv_cache_bytes=1 << 22, dynamic_batching=True,
+            max_batch_size=5, block_size=4, max_tokens_per_step=16, **options,  # type: ignore[arg-type]
+        )  # fmt: skip
+        engine = Engine(config, tiny)
+        async with engine:
+            in_place = not options and kernel.attends_faster(torch.float32)
+            assert engine.stats().decode_reader == (f"native-{kernel.attention_isa}" if in_place else "torch")
+            prompts = [
+                engine.format_chat([{"role": "user", "content": "fee " * (3 * i + 1)}]) for i in range(5)
+            ]
+            params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+            results = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+            assert engine.stats().largest_batch > 1
+            return [r.token_ids for r in results]
+
+    assert await run() == await run(kv_kernel="torch")
+
+
+def test_the_engine_attends_in_place_only_with_a_build_measured_faster_than_torch() -> None:
+    """`bench.decode_attention`: the AVX-512 tiles win in both dtypes, the AVX2 loops in fp32 only,
+    the portable loops never; elsewhere the engine keeps torch's gathered path."""
+    native_kernel()
+    expected = {"avx512-bf16": (True, True), "avx2": (False, True), "generic": (False, False)}
+    for march, isa in [("native", ""), *runnable_builds()]:
+        kernel = kv_native.load(march)
+        assert kernel is not None and (not isa or kernel.attention_isa == isa)
+        faster = (kernel.attends_faster(torch.bfloat16), kernel.attends_faster(torch.float32))
+        assert faster == expected[kernel.attention_isa], march
