@@ -15,8 +15,9 @@ COPY pipeline /app/pipeline
 FROM python:3.11-slim-bookworm AS cpu
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 \
     STATUS_HOST=0.0.0.0 MODEL_PATH=/model
-# gcc: with KV_COMPRESSION the engine builds its small C kernel for quantised KV reads at start, for
-# the CPU it runs on (engine/kv_native.c); without a compiler it falls back to torch, slower.
+# gcc: on a CPU the engine builds its small C kernels at start, for the CPU it runs on: decode
+# attention in place (engine/attention_native.c; gcc's -fopenmp links the libgomp torch ships) and,
+# with KV_COMPRESSION, quantised KV reads (engine/kv_native.c); without a compiler torch does both, slower.
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/* \
  && useradd --create-home --uid 10001 analyst
