@@ -211,7 +211,8 @@ static void attend_pair(const attention *a, int64_t seq, int64_t kv, const int64
 #endif
     for (int64_t t = 0; t < n; t += 16) { /* a tile of keys at a time, every query head: read once */
         int64_t m = n - t < 16 ? n - t : 16;
-        prefetch_rows(a, a->keys, slots + t + 16, n - t - 16 < 16 ? n - t - 16 : 16, kv);
+        if (t + 16 < n)
+            prefetch_rows(a, a->keys, slots + t + 16, n - t - 16 < 16 ? n - t - 16 : 16, kv);
         for (int64_t g = 0; g < groups; g++) {
 #if ATT_AVX512
             if (fast) {
@@ -228,7 +229,8 @@ static void attend_pair(const attention *a, int64_t seq, int64_t kv, const int64
     const float *rows[TILE];
     for (int64_t t = 0; t < n; t += TILE) {
         int64_t m = n - t < TILE ? n - t : TILE;
-        prefetch_rows(a, a->values, slots + t + TILE, n - t - TILE < TILE ? n - t - TILE : TILE, kv);
+        if (t + TILE < n)
+            prefetch_rows(a, a->values, slots + t + TILE, n - t - TILE < TILE ? n - t - TILE : TILE, kv);
         for (int64_t j = 0; j < m; j++)
             rows[j] = row_f32(a, a->values, slots[t + j] * a->kv_heads + kv, tile + j * dim);
         for (int64_t g = 0; g < groups; g++) {

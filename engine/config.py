@@ -47,8 +47,9 @@ class EngineOptions(BaseModel):
     kv_observe_tokens: int = Field(default=32, ge=1, le=1024, description="Observation window when pruning.")
     kv_kernel: KVKernel = Field(
         default="auto",
-        description="auto: quantised KV blocks read by a C kernel built at start for this CPU; torch: by "
-        "torch; avx2, portable: the kernel's path for an older CPU (to measure it on a newer one).",
+        description="auto: quantised KV blocks read, and decodes attended in place where that build is "
+        "faster than torch, by C kernels built at start for this CPU; torch: by torch; avx2, portable: "
+        "the kernels' paths for an older CPU (to measure them on a newer one).",
     )
     max_tokens_per_step: int = Field(default=192, ge=1, description="Prefill chunks + decodes per forward.")
     max_model_len: int = Field(

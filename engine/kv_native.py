@@ -36,7 +36,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("kv_native.c", "attention_native.c"))
-FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC")
+FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-fopenmp-simd")  # simd: the loops vectorise
 OPENMP = "-fopenmp"  # threads from the OpenMP runtime torch has loaded (libgomp.so.1)
 DTYPES = (torch.bfloat16, torch.float32)
 
