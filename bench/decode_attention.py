@@ -7,7 +7,9 @@ AVX2's and the portable one, what older CPUs build), in one run.
 The cache has the default model's attention shape (14 query heads over 2 KV heads of 64
 channels, 16-token blocks) and `--layers` layers of random keys and values; `--seqs` sequences
 of `--history` tokens on average (+-20 %, so that torch groups them by length as in a step), their
-blocks scattered over the pool. A timed call is one step's decode attention: every layer once.
+blocks scattered over the pool; full precision, or (`--bits` 8, 4) quantised as KV_COMPRESSION
+keeps them once they leave the window, but for 16-31 recent tokens. Torch's path dequantises
+quantised blocks into a copy first (with the C reader, as the engine does on a CPU). A timed call is one step's decode attention: every layer once.
 Readers run in rotated order every round; the median round's time is reported, with the speed
 against torch's (torch's time over the reader's) taken within each round. Each reader's output
 is checked against torch's before it is timed.
@@ -32,9 +34,10 @@ from bench import common
 from engine import kv_native
 from engine.attention import SeqSlice, decode_attention, group_decodes, in_place_attention, in_place_decodes
 from engine.config import KVKernel
-from engine.kv_cache import KVCache, KVShape, slots_of
+from engine.kv_cache import ColdStore, KVCache, KVShape, slots_of
 from engine.kv_native import NativeKernel
 from engine.kv_policy import kernel_target
+from engine.kv_quant import QuantFormat
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 14, 2, 64, 16
@@ -56,25 +59,42 @@ def builds() -> dict[str, NativeKernel]:
     return found
 
 
-def paged(dtype: torch.dtype, layers: int, seqs: int, history: int) -> tuple[KVCache, list[SeqSlice]]:
+def paged(
+    dtype: torch.dtype, layers: int, seqs: int, history: int, bits: int
+) -> tuple[KVCache, list[SeqSlice]]:
+    """Sequences of ~`history` tokens: all full precision (`bits` 16), or all in quantised blocks
+    of `bits` but for their last 16 tokens, as with KV_COMPRESSION after the window moved on."""
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(int(history * 0.8), int(history * 1.2) + 1, (seqs,), generator=gen).tolist()
-    tables = [-(-n // BLOCK) for n in lengths]
+    shape = KVShape(layers, KV_HEADS, HEAD_DIM, dtype)
+    quantised = [n // BLOCK - 1 if bits < 16 else 0 for n in lengths]  # whole blocks; 16-31 tokens stay
+    hot = [n - BLOCK * q for n, q in zip(lengths, quantised, strict=True)]
+    tables = [-(-n // BLOCK) for n in hot]
     order = torch.randperm(sum(tables), generator=gen).tolist()
-    cache = KVCache(KVShape(layers, KV_HEADS, HEAD_DIM, dtype), len(order), BLOCK, torch.device("cpu"))
+    store = None
+    if bits < 16:
+        reader = kv_native.load()  # torch's path reads quantised blocks with it, as the engine does
+        store = ColdStore(shape, QuantFormat(bits), sum(quantised), BLOCK, torch.device("cpu"), reader)
+        for start in range(0, sum(quantised), 64):
+            ids = torch.arange(start, min(start + 64, sum(quantised)))
+            kv = torch.randn(2, layers, len(ids), BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+            store.store(kv[0], kv[1], ids)
+    cold_order = torch.randperm(sum(quantised), generator=gen)
+    cache = KVCache(shape, len(order), BLOCK, torch.device("cpu"), store)
     cache.keys.copy_(torch.randn(cache.keys.shape, generator=gen))
     cache.values.copy_(torch.randn(cache.values.shape, generator=gen))
-    slices, used = [], 0
-    for i, (n, blocks) in enumerate(zip(lengths, tables, strict=True)):
-        slices.append(SeqSlice(i, 1, slots_of(order[used : used + blocks], n, BLOCK)))
-        used += blocks
+    slices, used, used_cold = [], 0, 0
+    for i, (n, blocks, q) in enumerate(zip(hot, tables, quantised, strict=True)):
+        cold = cold_order[used_cold : used_cold + q] if q else None
+        slices.append(SeqSlice(i, 1, slots_of(order[used : used + blocks], n, BLOCK), cold, q * BLOCK))
+        used, used_cold = used + blocks, used_cold + q
     return cache, slices
 
 
 def readers(cache: KVCache, seqs: list[SeqSlice]) -> dict[str, Callable[[torch.Tensor, int], torch.Tensor]]:
     """Name -> one layer's decode attention (query (H, B, D), layer) -> (B, H, D)."""
     groups = group_decodes(seqs, KV_HEADS, BLOCK, torch.device("cpu"))
-    decodes, _ = in_place_decodes(seqs)
+    decodes, _ = in_place_decodes(seqs, cold=cache.cold is not None)
     if decodes is None:
         raise ValueError("no sequences to attend")
 
@@ -101,15 +121,16 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--steps", type=int, default=3, help="steps timed per reader and round")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--bits", default="16,8,4", help="16: full-precision history; 8, 4: quantised")
     parser.add_argument("--out", type=Path, default=Path("bench/results/decode-attention.json"))
     args = parser.parse_args()
     console = Console(width=160)
-    table = Table("dtype", "reader", "ms per step (median)", "GB/s of history", "speed vs torch (median)",
+    table = Table("dtype", "history", "reader", "ms per step (median)", "GB/s (history at full precision)", "speed vs torch (median)",
                   title=f"decode attention, {args.seqs} sequences x ~{args.history} tokens, {args.layers} "
                         f"layers, {args.rounds} rounds")  # fmt: skip
     cases: list[dict[str, Any]] = []
-    for dtype_name, dtype in DTYPES.items():
-        cache, seqs = paged(dtype, args.layers, args.seqs, args.history)
+    for dtype_name, dtype, bits in [(n, d, int(b)) for n, d in DTYPES.items() for b in args.bits.split(",")]:
+        cache, seqs = paged(dtype, args.layers, args.seqs, args.history, bits)
         query = torch.randn(HEADS, args.seqs, HEAD_DIM, generator=torch.Generator().manual_seed(1)).to(dtype)
         reads = readers(cache, seqs)
         with torch.inference_mode():
@@ -126,14 +147,15 @@ def main() -> None:
                         for layer in range(args.layers):
                             reads[name](query, layer)
                     times[name].append((time.perf_counter() - start) / args.steps)
-        history_bytes = 2 * sum(s.hot_len for s in seqs) * KV_HEADS * HEAD_DIM * args.layers * dtype.itemsize
+        tokens = sum(s.kv_len for s in seqs)  # bytes of history as full precision would hold it
+        history_bytes = 2 * tokens * KV_HEADS * HEAD_DIM * args.layers * dtype.itemsize
         for name in names:
             ratios = [t_torch / t for t, t_torch in zip(times[name], times["gathered (torch)"], strict=True)]
             median = statistics.median(times[name])
-            case = {"dtype": dtype_name, "reader": name, "s_per_step": times[name], "s_median": median,
+            case = {"dtype": dtype_name, "bits": bits, "reader": name, "s_per_step": times[name], "s_median": median,
                     "speed_vs_torch": ratios, "speed_vs_torch_median": statistics.median(ratios)}  # fmt: skip
             cases.append(case)
-            table.add_row(dtype_name, name, f"{median * 1e3:.1f}", f"{history_bytes / median / 1e9:.1f}",
+            table.add_row(dtype_name, "full precision" if bits == 16 else f"int{bits}", name, f"{median * 1e3:.1f}", f"{history_bytes / median / 1e9:.1f}",
                           f"{case['speed_vs_torch_median']:.2f}x")  # fmt: skip
     console.print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)

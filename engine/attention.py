@@ -53,12 +53,15 @@ class DecodeGroup:
 
 @dataclass(frozen=True)
 class InPlaceDecodes:
-    """Single-token sequences whose history is all full precision, attended where it lies in the
-    pool by the native kernel (`KVCache.kernel`): no gather, no padding, any lengths together."""
+    """Single-token sequences attended where their history lies, by the native kernel
+    (`KVCache.kernel`): no gather, no padding, any lengths together. Their quantised blocks too,
+    when `cold_blocks` is given (read in the store's format, never dequantised into a copy)."""
 
     rows: torch.Tensor  # (B,) their rows in the packed input
     slots: torch.Tensor  # their full-precision slots, one sequence after another
     starts: torch.Tensor  # (B + 1,) where each sequence's slots begin, and the total
+    cold_blocks: torch.Tensor | None = None  # their quantised blocks (store ids), one after another
+    cold_starts: torch.Tensor | None = None  # (B + 1,) where each sequence's blocks begin
 
 
 @dataclass(frozen=True)
@@ -85,16 +88,23 @@ def group_decodes(
     return tuple(_decode_group(g, kv_heads, block_size, device) for g in groups)
 
 
-def in_place_decodes(decodes: list[SeqSlice]) -> tuple[InPlaceDecodes | None, list[SeqSlice]]:
-    """The decodes the native kernel attends in place (those without quantised history), and the
-    rest, for `group_decodes`."""
-    hot = [d for d in decodes if not d.cold_tokens]
-    rest = [d for d in decodes if d.cold_tokens]
+def in_place_decodes(
+    decodes: list[SeqSlice], cold: bool = False
+) -> tuple[InPlaceDecodes | None, list[SeqSlice]]:
+    """The decodes the native kernel attends in place, and the rest, for `group_decodes`: with
+    `cold` (the kernel reads the quantised store), all; else those without quantised history."""
+    hot = [d for d in decodes if cold or not d.cold_tokens]
+    rest = [d for d in decodes if not cold and d.cold_tokens]
     if not hot:
         return None, rest
     lengths = torch.tensor([0] + [d.hot_len for d in hot], dtype=torch.long)
     rows = torch.tensor([d.q_start for d in hot], dtype=torch.long)
-    return InPlaceDecodes(rows, torch.cat([d.kv_slots for d in hot]), lengths.cumsum(0)), rest
+    blocks = starts = None
+    if cold:
+        held = [d.cold_blocks if d.cold_blocks is not None else torch.zeros(0, dtype=torch.long) for d in hot]
+        blocks = torch.cat(held)
+        starts = torch.tensor([0] + [h.shape[0] for h in held], dtype=torch.long).cumsum(0)
+    return InPlaceDecodes(rows, torch.cat([d.kv_slots for d in hot]), lengths.cumsum(0), blocks, starts), rest
 
 
 def _decode_group(decodes: list[SeqSlice], kv_heads: int, block: int, device: torch.device) -> DecodeGroup:
@@ -188,8 +198,12 @@ def in_place_attention(
     if cache.kernel is None:
         raise RuntimeError("in-place decode attention needs the native kernel")
     q = query.index_select(1, decodes.rows).transpose(0, 1).contiguous()  # (B, H, D)
+    cold = None
+    if decodes.cold_blocks is not None and decodes.cold_starts is not None and cache.cold is not None:
+        bits = cache.cold.formats[layer].bits
+        cold = (cache.cold.layer(layer), bits, decodes.cold_blocks, decodes.cold_starts)
     return cache.kernel.decode_attention(
-        q, cache.keys[layer], cache.values[layer], decodes.slots, decodes.starts, scale
+        q, cache.keys[layer], cache.values[layer], decodes.slots, decodes.starts, scale, cold
     )
 
 

@@ -65,6 +65,40 @@ typedef struct {
     void *out;
 } attention;
 
+/* A layer of the quantised store, and which of its blocks each sequence's history holds (see
+ * kv_native.c for the format: rows are (block, KV head); value = centred code * scale + offset,
+ * keys' (scale, offset) per channel of a row, values' per token). */
+typedef struct {
+    const void *key_codes, *key_scale, *key_offset; /* [rows][block][width], [rows][dim] x 2 */
+    const void *value_codes, *value_scale, *value_offset; /* [rows][block][width], [rows][block] x 2 */
+    int64_t bits;                /* 8 (int8, centred) or 4 (two to a byte, centre 8) */
+    int64_t block, num_blocks;   /* tokens a block, blocks in the store */
+    const int64_t *blocks;       /* sequence i's blocks (in order): blocks[starts[i] .. starts[i + 1]) */
+    const int64_t *starts;
+} cold_layer;
+
+/* Token t of row r of a quantised layer's codes, centred, as float32. */
+static inline void codes_f32(const cold_layer *c, const void *codes, int64_t r, int64_t t, int64_t dim, float *out) {
+    if (c->bits == 8) {
+        const int8_t *p = (const int8_t *)codes + (r * c->block + t) * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; d++)
+            out[d] = (float)p[d];
+        return;
+    }
+    int64_t half = dim / 2;
+    const uint8_t *p = (const uint8_t *)codes + (r * c->block + t) * half;
+#pragma omp simd
+    for (int64_t d = 0; d < half; d++) {
+        out[d] = (float)((int)(p[d] & 0x0F) - 8);
+        out[d + half] = (float)((int)(p[d] >> 4) - 8);
+    }
+}
+
+static inline float param(const void *base, int64_t i, int fp32) {
+    return fp32 ? ((const float *)base)[i] : bf16_load((const uint16_t *)base, i);
+}
+
 /* Row `row` of `dim` channels of a tensor as float32: the tensor's own memory when it is float32,
  * else converted into `buffer`. A cache row of (slot, KV head) is row slot * kv_heads + kv. */
 static inline const float *row_f32(const attention *a, const void *base, int64_t row, float *buffer) {
@@ -121,6 +155,21 @@ static inline void scores16(const attention *a, int64_t head, int64_t kv, const 
     _mm512_mask_storeu_ps(out, (__mmask16)((1u << m) - 1u), sums);
 }
 
+/* out[j] = (q . rows[j]) * scale + bias for j < m <= 16: float32 rows, dim a multiple of 16. */
+static inline void scores16_f32(const float *q, const float *const *rows, int64_t m, int64_t dim, float scale,
+                                float bias, float *out) {
+    __m512 part[16];
+    for (int64_t j = 0; j < 16; j++) {
+        __m512 s = _mm512_setzero_ps();
+        if (j < m)
+            for (int64_t d = 0; d < dim; d += 16)
+                s = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(rows[j] + d), s);
+        part[j] = s;
+    }
+    __m512 sums = _mm512_fmadd_ps(sum_lanes16(part), _mm512_set1_ps(scale), _mm512_set1_ps(bias));
+    _mm512_mask_storeu_ps(out, (__mmask16)((1u << m) - 1u), sums);
+}
+
 /* acc[0..dim) += sum over j < m of p[j] * rows[j][0..dim): dim a multiple of 64. */
 static inline void weigh(const float *const *rows, const float *p, int64_t m, int64_t dim, float *acc) {
     for (int64_t c = 0; c < dim; c += 64) {
@@ -155,6 +204,17 @@ static void scores_generic(const attention *a, int64_t head, int64_t kv, const i
         for (int64_t d = 0; d < a->dim; d++)
             s += qf[d] * k[d];
         out[j] = s * a->scale;
+    }
+}
+
+static void scores_f32_generic(const float *q, const float *const *rows, int64_t m, int64_t dim, float scale,
+                               float bias, float *out) {
+    for (int64_t j = 0; j < m; j++) {
+        float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t d = 0; d < dim; d++)
+            s += q[d] * rows[j][d];
+        out[j] = s * scale + bias;
     }
 }
 
@@ -194,62 +254,146 @@ static inline void prefetch_rows(const attention *a, const void *base, const int
 }
 
 /* Floats of work space one pair needs, for histories of up to `longest` tokens. */
-static int64_t work_floats(int64_t groups, int64_t dim, int64_t longest) {
-    return groups * longest + groups * dim + 2 * dim + TILE * dim;
+static int64_t work_floats(int64_t groups, int64_t dim, int64_t longest, int64_t block) {
+    return groups * longest + groups * dim + 2 * dim + (block > TILE ? block : TILE) * dim + TILE + groups;
 }
 
-/* One (sequence, KV head) pair: its `groups` query heads over the `n` cached tokens at `slots`. */
-static void attend_pair(const attention *a, int64_t seq, int64_t kv, const int64_t *slots, int64_t n, float *work) {
+/* The pair's quantised blocks: scores into scores[g][0 .. m * block) (row stride n), read where
+ * they lie. Keys' scale and offset are per channel of a block, so a block's scores are
+ * (q * scale) . codes + q . offset: the codes converted once, never dequantised. */
+static void cold_scores(const attention *a, const cold_layer *c, const int64_t *blocks, int64_t m, int64_t kv,
+                        int64_t first, int64_t n, float *scores, float *q, float *tile) {
+    int64_t groups = a->groups, dim = a->dim;
+    const float *rows[16];
+    float qs[1024]; /* dim <= 1024 (checked by the caller) */
+    for (int64_t b = 0; b < m; b++) {
+        int64_t r = blocks[b] * a->kv_heads + kv;
+        for (int64_t t = 0; t < c->block; t++)
+            codes_f32(c, c->key_codes, r, t, dim, tile + t * dim);
+        for (int64_t g = 0; g < groups; g++) {
+            const float *qg = row_f32(a, a->query, first + g, q);
+            float bias = 0.0f;
+            for (int64_t d = 0; d < dim; d++) {
+                qs[d] = qg[d] * param(c->key_scale, r * dim + d, a->fp32);
+                bias += qg[d] * param(c->key_offset, r * dim + d, a->fp32);
+            }
+            for (int64_t t = 0; t < c->block; t += 16) {
+                int64_t k = c->block - t < 16 ? c->block - t : 16;
+                for (int64_t j = 0; j < k; j++)
+                    rows[j] = tile + (t + j) * dim;
+                float *out = scores + g * n + b * c->block + t;
+#if ATT_AVX512
+                if (dim % 16 == 0) {
+                    scores16_f32(qs, rows, k, dim, a->scale, bias * a->scale, out);
+                    continue;
+                }
+#endif
+                scores_f32_generic(qs, rows, k, dim, a->scale, bias * a->scale, out);
+            }
+        }
+    }
+}
+
+/* The pair's quantised blocks weighed into acc[g] by probs[g][0 .. m * block) (row stride n).
+ * Values' scale and offset are per token: the weight of a token's codes is p * scale, and its
+ * offset adds p * offset to every channel (summed into offsets[g]). */
+static void cold_values(const attention *a, const cold_layer *c, const int64_t *blocks, int64_t m, int64_t kv,
+                        int64_t n, const float *probs, float *acc, float *offsets, float *tile, float *w) {
+    int64_t groups = a->groups, dim = a->dim;
+    const float *rows[TILE];
+    for (int64_t b = 0; b < m; b++) {
+        int64_t r = blocks[b] * a->kv_heads + kv;
+        for (int64_t t = 0; t < c->block; t++)
+            codes_f32(c, c->value_codes, r, t, dim, tile + t * dim);
+        for (int64_t t = 0; t < c->block; t += TILE) {
+            int64_t k = c->block - t < TILE ? c->block - t : TILE;
+            for (int64_t j = 0; j < k; j++)
+                rows[j] = tile + (t + j) * dim;
+            for (int64_t g = 0; g < groups; g++) {
+                const float *p = probs + g * n + b * c->block + t;
+                for (int64_t j = 0; j < k; j++) {
+                    w[j] = p[j] * param(c->value_scale, r * c->block + t + j, a->fp32);
+                    offsets[g] += p[j] * param(c->value_offset, r * c->block + t + j, a->fp32);
+                }
+#if ATT_AVX512
+                if (dim % 64 == 0) {
+                    weigh(rows, w, k, dim, acc + g * dim);
+                    continue;
+                }
+#endif
+                weigh_generic(rows, w, k, dim, acc + g * dim);
+            }
+        }
+    }
+}
+
+/* One (sequence, KV head) pair: its `groups` query heads over its history, the `m` quantised
+ * blocks at `blocks` (none without `c`) and then the `hot` full-precision tokens at `slots`. */
+static void attend_pair(const attention *a, const cold_layer *c, int64_t seq, int64_t kv, const int64_t *blocks,
+                        int64_t m, const int64_t *slots, int64_t hot, float *work) {
     int64_t groups = a->groups, dim = a->dim, first = seq * a->kv_heads * groups + kv * groups;
-    float *scores = work;               /* [groups][n] */
+    int64_t cold = c != NULL ? m * c->block : 0, n = cold + hot;
+    int64_t block = c != NULL && c->block > TILE ? c->block : TILE;
+    float *scores = work;               /* [groups][n]: quantised history first */
     float *acc = scores + groups * n;   /* [groups][dim] */
     float *q = acc + groups * dim;      /* [dim] */
     float *row = q + dim;               /* [dim] */
-    float *tile = row + dim;            /* [TILE][dim]: values as float32 */
+    float *tile = row + dim;            /* [block][dim]: rows as float32 */
+    float *w = tile + block * dim;      /* [TILE]: weights of quantised values */
+    float *offsets = w + TILE;          /* [groups]: what values' offsets add to every channel */
 #if ATT_AVX512
     int fast = dim % 64 == 0;
 #endif
-    for (int64_t t = 0; t < n; t += 16) { /* a tile of keys at a time, every query head: read once */
-        int64_t m = n - t < 16 ? n - t : 16;
-        if (t + 16 < n)
-            prefetch_rows(a, a->keys, slots + t + 16, n - t - 16 < 16 ? n - t - 16 : 16, kv);
+    if (cold)
+        cold_scores(a, c, blocks, m, kv, first, n, scores, q, tile);
+    for (int64_t t = 0; t < hot; t += 16) { /* a tile of keys at a time, every query head: read once */
+        int64_t k = hot - t < 16 ? hot - t : 16;
+        if (t + 16 < hot)
+            prefetch_rows(a, a->keys, slots + t + 16, hot - t - 16 < 16 ? hot - t - 16 : 16, kv);
         for (int64_t g = 0; g < groups; g++) {
+            float *out = scores + g * n + cold + t;
 #if ATT_AVX512
             if (fast) {
-                scores16(a, first + g, kv, slots + t, m, scores + g * n + t);
+                scores16(a, first + g, kv, slots + t, k, out);
                 continue;
             }
 #endif
-            scores_generic(a, first + g, kv, slots + t, m, q, row, scores + g * n + t);
+            scores_generic(a, first + g, kv, slots + t, k, q, row, out);
         }
     }
     for (int64_t g = 0; g < groups; g++)
         softmax(scores + g * n, n);
     memset(acc, 0, (size_t)(groups * dim) * sizeof(float));
+    memset(offsets, 0, (size_t)groups * sizeof(float));
+    if (cold)
+        cold_values(a, c, blocks, m, kv, n, scores, acc, offsets, tile, w);
     const float *rows[TILE];
-    for (int64_t t = 0; t < n; t += TILE) {
-        int64_t m = n - t < TILE ? n - t : TILE;
-        if (t + TILE < n)
-            prefetch_rows(a, a->values, slots + t + TILE, n - t - TILE < TILE ? n - t - TILE : TILE, kv);
-        for (int64_t j = 0; j < m; j++)
+    for (int64_t t = 0; t < hot; t += TILE) {
+        int64_t k = hot - t < TILE ? hot - t : TILE;
+        if (t + TILE < hot)
+            prefetch_rows(a, a->values, slots + t + TILE, hot - t - TILE < TILE ? hot - t - TILE : TILE, kv);
+        for (int64_t j = 0; j < k; j++)
             rows[j] = row_f32(a, a->values, slots[t + j] * a->kv_heads + kv, tile + j * dim);
         for (int64_t g = 0; g < groups; g++) {
+            const float *p = scores + g * n + cold + t;
 #if ATT_AVX512
             if (fast) {
-                weigh(rows, scores + g * n + t, m, dim, acc + g * dim);
+                weigh(rows, p, k, dim, acc + g * dim);
                 continue;
             }
 #endif
-            weigh_generic(rows, scores + g * n + t, m, dim, acc + g * dim);
+            weigh_generic(rows, p, k, dim, acc + g * dim);
         }
     }
     for (int64_t g = 0; g < groups; g++) {
         int64_t at = (first + g) * dim;
+        const float *ag = acc + g * dim;
         if (a->fp32)
-            memcpy((float *)a->out + at, acc + g * dim, (size_t)dim * sizeof(float));
+            for (int64_t d = 0; d < dim; d++)
+                ((float *)a->out)[at + d] = ag[d] + offsets[g];
         else
             for (int64_t d = 0; d < dim; d++)
-                ((uint16_t *)a->out)[at + d] = bf16_round(acc[g * dim + d]);
+                ((uint16_t *)a->out)[at + d] = bf16_round(ag[d] + offsets[g]);
     }
 }
 
@@ -264,33 +408,50 @@ const char *kv_attention_isa(void) {
 }
 
 /* out (seqs, kv_heads * groups, dim) = attention of each sequence's query (same shape) to its
- * cached tokens: those of sequence i at slots[starts[i] .. starts[i + 1]), in order, of the
- * layer's keys and values (num_slots, kv_heads, dim). Returns 0; -1 when a slot is out of
- * range or a sequence has no tokens (nothing written), or memory for the scores is not to be had. */
+ * cached tokens: with `cold` (else NULL), its quantised blocks first, then its full-precision tokens,
+ * those of sequence i at slots[starts[i] .. starts[i + 1]), in order, of the layer's keys and values
+ * (num_slots, kv_heads, dim). Returns 0; -1 when a slot or block is out of range, a sequence has
+ * no full-precision token or the format is unknown (nothing written), or memory for the scores is
+ * not to be had. */
 int kv_decode_attention(const void *query, const void *keys, const void *values, const int64_t *slots,
                         const int64_t *starts, int64_t seqs, int64_t kv_heads, int64_t groups, int64_t dim,
-                        int64_t num_slots, float scale, int fp32, void *out) {
+                        int64_t num_slots, float scale, int fp32, const cold_layer *cold, void *out) {
     int64_t longest = 0;
+    if (dim > 1024 || (cold != NULL && ((cold->bits != 8 && cold->bits != 4) || (cold->bits == 4 && dim % 2))))
+        return -1;
     for (int64_t i = 0; i < seqs; i++) {
         int64_t n = starts[i + 1] - starts[i];
         if (n <= 0)
             return -1;
+        if (cold != NULL) {
+            int64_t m = cold->starts[i + 1] - cold->starts[i];
+            if (m < 0)
+                return -1;
+            n += m * cold->block;
+        }
         longest = n > longest ? n : longest;
     }
     for (int64_t j = 0; j < starts[seqs]; j++)
         if (slots[j] < 0 || slots[j] >= num_slots)
             return -1;
+    if (cold != NULL)
+        for (int64_t j = 0; j < cold->starts[seqs]; j++)
+            if (cold->blocks[j] < 0 || cold->blocks[j] >= cold->num_blocks)
+                return -1;
     attention a = {query, keys, values, kv_heads, groups, dim, scale, fp32, out};
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
     {
-        float *work = malloc((size_t)work_floats(groups, dim, longest) * sizeof(float));
+        float *work = malloc((size_t)work_floats(groups, dim, longest, cold ? cold->block : 0) * sizeof(float));
         failed = work == NULL;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t pair = 0; pair < seqs * kv_heads; pair++)
+        for (int64_t pair = 0; pair < seqs * kv_heads; pair++) {
+            int64_t seq = pair / kv_heads;
             if (work != NULL)
-                attend_pair(&a, pair / kv_heads, pair % kv_heads, slots + starts[pair / kv_heads],
-                            starts[pair / kv_heads + 1] - starts[pair / kv_heads], work);
+                attend_pair(&a, cold, seq, pair % kv_heads, cold ? cold->blocks + cold->starts[seq] : NULL,
+                            cold ? cold->starts[seq + 1] - cold->starts[seq] : 0, slots + starts[seq],
+                            starts[seq + 1] - starts[seq], work);
+        }
         free(work);
     }
     return failed ? -1 : 0;

@@ -33,12 +33,25 @@ from pathlib import Path
 
 import torch
 
+from engine.kv_quant import StoredLayer
+
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("kv_native.c", "attention_native.c"))
 FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-fopenmp-simd")  # simd: the loops vectorise
 OPENMP = "-fopenmp"  # threads from the OpenMP runtime torch has loaded (libgomp.so.1)
 DTYPES = (torch.bfloat16, torch.float32)
+
+
+class ColdLayer(ctypes.Structure):
+    """`cold_layer` of attention_native.c: a layer of the quantised store and each sequence's blocks."""
+
+    _fields_ = [
+        *((name, ctypes.c_void_p) for name in ("key_codes", "key_scale", "key_offset", "value_codes",
+                                                "value_scale", "value_offset")),
+        ("bits", ctypes.c_int64), ("block", ctypes.c_int64), ("num_blocks", ctypes.c_int64),
+        ("blocks", ctypes.c_void_p), ("starts", ctypes.c_void_p),
+    ]  # fmt: skip
 
 
 class NativeKernelError(RuntimeError):
@@ -54,10 +67,11 @@ class NativeKernel:
     def attends_faster(self, dtype: torch.dtype) -> bool:
         """Whether this build's decode attention beats torch's gathered path in `dtype`, as
         `bench.decode_attention` measured it (bench/results/decode-attention-cpu-amx.json, one CPU
-        running all three builds): the AVX-512 tiles in bf16 (1.4x) and fp32 (2.5x), the AVX2
-        loops in fp32 (1.2x); not the AVX2 loops in bf16 (0.55x) nor the portable ones (0.4-0.9x)."""
-        isa = self.attention_isa
-        return isa == "avx512-bf16" or (isa == "avx2" and dtype == torch.float32)
+        running all three builds): the AVX-512 tiles do, in bf16 and fp32, over full-precision and
+        quantised history. The loops the compiler vectorises (the AVX2 and portable builds) lose
+        to torch over quantised history in fp32 (~0.4x) and over int4 in bf16 (~0.7x), and over
+        full precision in fp32 they ran 0.88x and 1.20x in two runs: there torch gathers."""
+        return self.attention_isa == "avx512-bf16" and dtype in DTYPES
 
     def dequantize(
         self,
@@ -102,13 +116,18 @@ class NativeKernel:
         slots: torch.Tensor,
         starts: torch.Tensor,
         scale: float,
+        cold: tuple[StoredLayer, int, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Attention of single-token queries (B, H, D) to their histories in a layer's cache, keys
         and values (S, KVH, D): sequence i's tokens at slots[starts[i]:starts[i + 1]] (long), in
-        order; query head kv * (H // KVH) + g attends with KV head kv. Returns (B, H, D)."""
+        order; query head kv * (H // KVH) + g attends with KV head kv. Returns (B, H, D).
+
+        `cold`: (the layer of the quantised store, its bits, blocks, block starts): sequence i's
+        history begins with the store's blocks[block_starts[i]:block_starts[i + 1]], read where they
+        lie (`kv_quant`'s format, never dequantised into a copy)."""
         seqs, heads, dim = query.shape
         kv_heads = keys.shape[1]
-        parts = (query, keys, values, slots, starts)
+        parts = (query, keys, values, slots, starts, *(cold[0] + cold[2:] if cold else ()))
         if any(t.device.type != "cpu" or not t.is_contiguous() for t in parts):
             raise NativeKernelError("the native KV kernel reads contiguous CPU tensors only")
         if keys.shape != values.shape or keys.dim() != 3 or keys.shape[2] != dim or heads % kv_heads:
@@ -120,15 +139,49 @@ class NativeKernel:
             raise NativeKernelError(f"slots {slots.dtype}, starts {tuple(starts.shape)} for {seqs} sequences")
         if int(starts[0]) != 0 or int(starts[-1]) != slots.shape[0]:
             raise NativeKernelError("starts must run from 0 to the number of slots")
+        layer = None if cold is None else _cold_layer(cold, query, seqs)
         out = torch.empty_like(query)
         status = self.library.kv_decode_attention(
             query.data_ptr(), keys.data_ptr(), values.data_ptr(), slots.data_ptr(), starts.data_ptr(), seqs,
             kv_heads, heads // kv_heads, dim, keys.shape[0], scale, int(query.dtype == torch.float32),
-            out.data_ptr(),
+            None if layer is None else ctypes.byref(layer), out.data_ptr(),
         )  # fmt: skip
         if status:
-            raise NativeKernelError(f"a slot out of range (of {keys.shape[0]}) or a sequence without tokens")
+            raise NativeKernelError(
+                f"a slot (of {keys.shape[0]}) or block out of range, or a sequence without a "
+                "full-precision token"
+            )
         return out
+
+
+def _cold_layer(
+    cold: tuple[StoredLayer, int, torch.Tensor, torch.Tensor], query: torch.Tensor, seqs: int
+) -> ColdLayer:
+    stored, bits, blocks, starts = cold
+    num_blocks, kv_heads, block, width = stored.key_codes.shape
+    dim = query.shape[2]
+    if bits not in (4, 8) or width != (dim if bits == 8 else dim // 2) or dim % (8 // bits):
+        raise NativeKernelError(f"{bits}-bit codes of width {width} for {dim} channels")
+    code = torch.int8 if bits == 8 else torch.uint8
+    if stored.key_codes.dtype != code or stored.value_codes.dtype != code:
+        raise NativeKernelError(f"{bits}-bit codes stored as {stored.key_codes.dtype}")
+    codes, per_channel, per_token = (num_blocks, kv_heads, block, width), (num_blocks, kv_heads, dim), (
+        num_blocks, kv_heads, block,
+    )  # fmt: skip
+    shapes = {"key_codes": codes, "value_codes": codes, "key_scale": per_channel, "key_offset": per_channel,
+              "value_scale": per_token, "value_offset": per_token}  # fmt: skip
+    for name, shape in shapes.items():
+        tensor = getattr(stored, name)
+        if tuple(tensor.shape) != shape or (tensor.dtype.is_floating_point and tensor.dtype != query.dtype):
+            got = f"{tuple(tensor.shape)} {tensor.dtype}"
+            raise NativeKernelError(f"{name} {got}, expected {shape} {query.dtype}")
+    if blocks.dtype != torch.long or starts.dtype != torch.long or starts.shape != (seqs + 1,):
+        got = f"blocks {blocks.dtype}, block starts {tuple(starts.shape)}"
+        raise NativeKernelError(f"{got} for {seqs} sequences")
+    if int(starts[0]) != 0 or int(starts[-1]) != blocks.shape[0]:
+        raise NativeKernelError("block starts must run from 0 to the number of blocks")
+    pointers = (t.data_ptr() for t in stored)
+    return ColdLayer(*pointers, bits, block, num_blocks, blocks.data_ptr(), starts.data_ptr())
 
 
 def _compiler() -> str | None:
@@ -169,7 +222,8 @@ def load(march: str = "native") -> NativeKernel | None:
     library.kv_attention_isa.restype = ctypes.c_char_p
     library.kv_decode_attention.restype = ctypes.c_int
     library.kv_decode_attention.argtypes = [
-        pointer, pointer, pointer, pointer, pointer, i64, i64, i64, i64, i64, ctypes.c_float, i32, pointer,
+        pointer, pointer, pointer, pointer, pointer, i64, i64, i64, i64, i64, ctypes.c_float, i32,
+        ctypes.POINTER(ColdLayer), pointer,
     ]  # fmt: skip
     return NativeKernel(library, library.kv_native_isa().decode(), library.kv_attention_isa().decode())
 

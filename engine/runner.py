@@ -116,7 +116,10 @@ class ModelRunner:
             self.model.config, "use_sliding_window", False
         )
         decodes = [] if sliding else [s for s in seqs if s.q_len == 1]
-        in_place, decodes = in_place_decodes(decodes) if self.cache.kernel is not None else (None, decodes)
+        in_place, decodes = (None, decodes)
+        if self.cache.kernel is not None:  # the kernel reads quantised blocks unless they are rotated
+            reads_cold = self.cache.cold is not None and self.cache.cold.rotation is None
+            in_place, decodes = in_place_decodes(decodes, reads_cold)
         batch = StepBatch(
             self.cache,
             torch.cat(new_slots).to(self.device),
