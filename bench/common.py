@@ -7,9 +7,12 @@ engine's packages alone (a GPU host: `bench/cuda_check.sh`)."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import statistics
 import subprocess
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +20,8 @@ from engine.loader import cpu_flags
 
 if TYPE_CHECKING:
     from engine import Engine
+    from engine.config import KVKernel
+    from engine.kv_native import NativeKernel
     from pipeline.labels import LabelPolicy
     from pipeline.settings import Settings
 
@@ -103,3 +108,54 @@ def machine() -> dict[str, Any]:
     flags = cpu_flags()
     wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "fma")
     return {"cpus": os.cpu_count(), "cpu_flags": [f for f in wanted if f in flags]}
+
+
+def rotated_rounds(
+    runs: dict[str, Callable[[], object]], rounds: int, repeats: int
+) -> dict[str, list[float]]:
+    """Seconds a run takes (the mean of `repeats` back to back), in each of `rounds` rounds, the
+    runs in an order rotated from round to round so that none is always first."""
+    names = list(runs)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(rounds):
+        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+            start = time.perf_counter()
+            for _ in range(repeats):
+                runs[name]()
+            times[name].append((time.perf_counter() - start) / repeats)
+    return times
+
+
+def against(times: dict[str, list[float]], name: str, baseline: str) -> dict[str, Any]:
+    """A run's times against a baseline's within each round (baseline time over its time): every
+    round, their medians, the ratio's median."""
+    ratios = [base / t for t, base in zip(times[name], times[baseline], strict=True)]
+    return {"s_median": statistics.median(times[name]), "speed_vs_baseline": ratios,
+            "speed_vs_baseline_median": statistics.median(ratios)}  # fmt: skip
+
+
+def write_result(out: Path, args: argparse.Namespace, console: Any, **fields: Any) -> None:
+    """A benchmark's JSON: the machine, its arguments, then `fields`."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    config = {k: str(v) for k, v in vars(args).items()}
+    out.write_text(json.dumps({"machine": machine(), "config": config, **fields}, indent=1))
+    console.print(f"wrote {out}")
+
+
+def kernel_builds() -> dict[str, NativeKernel]:
+    """KV_KERNEL choice -> the native kernels built for it, for every path this CPU can run: the
+    portable loops, AVX2's, and its own (`auto`), in that order."""
+    from engine import kv_native
+    from engine.kv_policy import kernel_target
+
+    found: dict[str, NativeKernel] = {}
+    choices: tuple[KVKernel, ...] = ("portable", "avx2", "auto")
+    for choice in choices:
+        try:
+            target = kernel_target(choice)
+        except ValueError:  # this CPU lacks the path
+            continue
+        kernel = kv_native.load(target)
+        if kernel is not None:
+            found[choice] = kernel
+    return found

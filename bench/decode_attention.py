@@ -19,9 +19,7 @@ is checked against torch's before it is timed.
 
 from __future__ import annotations
 
-import json
-import statistics
-import time
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,10 +31,8 @@ from rich.table import Table
 from bench import common
 from engine import kv_native
 from engine.attention import SeqSlice, decode_attention, group_decodes, in_place_attention, in_place_decodes
-from engine.config import KVKernel
 from engine.kv_cache import ColdStore, KVCache, KVShape, slots_of
 from engine.kv_native import NativeKernel
-from engine.kv_policy import kernel_target
 from engine.kv_quant import QuantFormat
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -46,16 +42,9 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 14, 2, 64, 16
 def builds() -> dict[str, NativeKernel]:
     """Name -> the kernel built for each path this CPU runs."""
     found: dict[str, NativeKernel] = {}
-    choices: tuple[KVKernel, ...] = ("portable", "avx2", "auto")
-    for choice in choices:
-        try:
-            target = kernel_target(choice)
-        except ValueError:  # this CPU lacks the path
-            continue
-        kernel = kv_native.load(target)
-        if kernel is not None:
-            name = f"this CPU's ({kernel.attention_isa})" if choice == "auto" else choice
-            found[f"in place, {name}"] = kernel
+    for choice, kernel in common.kernel_builds().items():
+        name = f"this CPU's ({kernel.attention_isa})" if choice == "auto" else choice
+        found[f"in place, {name}"] = kernel
     return found
 
 
@@ -114,6 +103,11 @@ def readers(cache: KVCache, seqs: list[SeqSlice]) -> dict[str, Callable[[torch.T
     return {"gathered (torch)": gathered} | {name: in_place(k) for name, k in builds().items()}
 
 
+def one_step(read: Callable[[torch.Tensor, int], torch.Tensor], query: torch.Tensor, layers: int) -> None:
+    for layer in range(layers):
+        read(query, layer)
+
+
 def main() -> None:
     parser = common.parser(__doc__)
     parser.add_argument("--seqs", type=int, default=32, help="sequences decoding at once")
@@ -138,30 +132,24 @@ def main() -> None:
             step = 2**-6 if dtype == torch.bfloat16 else 1e-5
             for name, read in reads.items():  # checked, and warmed
                 torch.testing.assert_close(read(query, 0).float(), reference, rtol=step, atol=step, msg=name)
-            times: dict[str, list[float]] = {name: [] for name in reads}
             names = list(reads)
-            for round_ in range(args.rounds):
-                for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
-                    start = time.perf_counter()
-                    for _ in range(args.steps):
-                        for layer in range(args.layers):
-                            reads[name](query, layer)
-                    times[name].append((time.perf_counter() - start) / args.steps)
+            steps = {
+                name: functools.partial(one_step, read, query, args.layers) for name, read in reads.items()
+            }
+            times = common.rotated_rounds(steps, args.rounds, repeats=args.steps)
         tokens = sum(s.kv_len for s in seqs)  # bytes of history as full precision would hold it
         history_bytes = 2 * tokens * KV_HEADS * HEAD_DIM * args.layers * dtype.itemsize
         for name in names:
-            ratios = [t_torch / t for t, t_torch in zip(times[name], times["gathered (torch)"], strict=True)]
-            median = statistics.median(times[name])
+            speed = common.against(times, name, "gathered (torch)")
+            median = speed["s_median"]
             case = {"dtype": dtype_name, "bits": bits, "reader": name, "s_per_step": times[name], "s_median": median,
-                    "speed_vs_torch": ratios, "speed_vs_torch_median": statistics.median(ratios)}  # fmt: skip
+                    "speed_vs_torch": speed["speed_vs_baseline"],
+                    "speed_vs_torch_median": speed["speed_vs_baseline_median"]}  # fmt: skip
             cases.append(case)
             table.add_row(dtype_name, "full precision" if bits == 16 else f"int{bits}", name, f"{median * 1e3:.1f}", f"{history_bytes / median / 1e9:.1f}",
                           f"{case['speed_vs_torch_median']:.2f}x")  # fmt: skip
     console.print(table)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": common.machine(), "config": {k: str(v) for k, v in vars(args).items()},
-                                    "threads": torch.get_num_threads(), "cases": cases}, indent=1))  # fmt: skip
-    console.print(f"wrote {args.out}")
+    common.write_result(args.out, args, console, threads=torch.get_num_threads(), cases=cases)
 
 
 if __name__ == "__main__":

@@ -16,9 +16,6 @@ Each kernel's output is checked against torch's, and every reader warmed, before
 
 from __future__ import annotations
 
-import json
-import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +24,8 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import common
-from engine import kv_native
-from engine.config import KVKernel
 from engine.kv_cache import ColdStore, KVShape, head_major_rows
 from engine.kv_native import NativeKernel
-from engine.kv_policy import kernel_target
 from engine.kv_quant import QuantFormat
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -40,15 +34,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def readers() -> dict[str, NativeKernel | None]:
     """Reader name -> kernel (None: torch), for every path this CPU can run."""
     found: dict[str, NativeKernel | None] = {"torch": None}
-    choices: tuple[KVKernel, ...] = ("portable", "avx2", "auto")
-    for choice in choices:
-        try:
-            target = kernel_target(choice)
-        except ValueError:  # this CPU lacks the path
-            continue
-        kernel = kv_native.load(target)
-        if kernel is not None:
-            found[f"native-{kernel.isa}" + (" (this CPU's)" if choice == "auto" else "")] = kernel
+    for choice, kernel in common.kernel_builds().items():
+        found[f"native-{kernel.isa}" + (" (this CPU's)" if choice == "auto" else "")] = kernel
     return found
 
 
@@ -95,28 +82,23 @@ def main() -> None:
             for store in stores.values():  # warm: first reads fault in fresh output pages
                 for _ in range(args.reads):
                     store.gathered(0, rows, pairs)
-            times: dict[str, list[float]] = {name: [] for name in stores}
             names = list(stores)
-            for round_ in range(args.rounds):
-                for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
-                    start = time.perf_counter()
-                    for _ in range(args.reads):
-                        stores[name].gathered(0, rows, pairs)
-                    times[name].append((time.perf_counter() - start) / args.reads)
+            reads = {name: (lambda store=store: [store.gathered(0, rows, pairs) for _ in range(args.reads)])
+                     for name, store in stores.items()}  # fmt: skip
+            times = common.rotated_rounds(reads, args.rounds, repeats=1)
+            times = {name: [t / args.reads for t in ts] for name, ts in times.items()}
             out_bytes = 2 * rows.numel() * 16 * 64 * reference.keys.element_size()
             for name in names:
-                ratios = [torch_t / t for t, torch_t in zip(times[name], times["torch"], strict=True)]
-                median = statistics.median(times[name])
+                speed = common.against(times, name, "torch")
+                median = speed["s_median"]
                 case = {"dtype": dtype_name, "bits": bits, "reader": name, "s_per_read": times[name],
-                        "s_median": median, "speed_vs_torch": ratios, "speed_vs_torch_median": statistics.median(ratios)}  # fmt: skip
+                        "s_median": median, "speed_vs_torch": speed["speed_vs_baseline"],
+                        "speed_vs_torch_median": speed["speed_vs_baseline_median"]}  # fmt: skip
                 cases.append(case)
                 table.add_row(dtype_name, str(bits), name, f"{median * 1e3:.3f}", f"{out_bytes / median / 1e9:.1f}",
                               f"{case['speed_vs_torch_median']:.2f}x")  # fmt: skip
     console.print(table)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": common.machine(), "config": {k: str(v) for k, v in vars(args).items()},
-                                    "rows_per_read": rows.numel(), "cases": cases}, indent=1))  # fmt: skip
-    console.print(f"wrote {args.out}")
+    common.write_result(args.out, args, console, rows_per_read=rows.numel(), cases=cases)
 
 
 if __name__ == "__main__":

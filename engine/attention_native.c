@@ -20,19 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline float bf16_load(const uint16_t *p, int64_t i) {
-    uint32_t u = (uint32_t)p[i] << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t bf16_round(float f) { /* round to nearest even; inputs are finite */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
+#include "kv_bf16.h"
 
 /* exp(x) for x <= 0 (a score minus its row's maximum), within 2e-7 relative: x = n ln2 + r,
  * |r| <= ln2 / 2, exp(r) by its Taylor polynomial to degree 7, 2^n built in the exponent bits.
@@ -96,7 +84,7 @@ static inline void codes_f32(const cold_layer *c, const void *codes, int64_t r, 
 }
 
 static inline float param(const void *base, int64_t i, int fp32) {
-    return fp32 ? ((const float *)base)[i] : bf16_load((const uint16_t *)base, i);
+    return fp32 ? ((const float *)base)[i] : bf16_to_f32(((const uint16_t *)base)[i]);
 }
 
 /* Row `row` of `dim` channels of a tensor as float32: the tensor's own memory when it is float32,
@@ -107,7 +95,7 @@ static inline const float *row_f32(const attention *a, const void *base, int64_t
     const uint16_t *p = (const uint16_t *)base + row * a->dim;
 #pragma omp simd
     for (int64_t d = 0; d < a->dim; d++)
-        buffer[d] = bf16_load(p, d);
+        buffer[d] = bf16_to_f32(p[d]);
     return buffer;
 }
 
@@ -393,7 +381,7 @@ static void attend_pair(const attention *a, const cold_layer *c, int64_t seq, in
                 ((float *)a->out)[at + d] = ag[d] + offsets[g];
         else
             for (int64_t d = 0; d < dim; d++)
-                ((uint16_t *)a->out)[at + d] = bf16_round(ag[d] + offsets[g]);
+                ((uint16_t *)a->out)[at + d] = f32_to_bf16(ag[d] + offsets[g]);
     }
 }
 

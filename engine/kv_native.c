@@ -19,6 +19,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kv_bf16.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define KV_AVX512 1
@@ -41,20 +43,6 @@ typedef struct {
     int fp32;           /* 1: scale, offset and out are float32, 0: bfloat16 */
     int64_t block, dim;
 } kv_layer;
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; inputs are finite */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 static inline float load1(const void *p, int64_t i, int fp32) {
     return fp32 ? ((const float *)p)[i] : bf16_to_f32(((const uint16_t *)p)[i]);

@@ -5,6 +5,8 @@ tokens as torch's gathered path in the engine."""
 from __future__ import annotations
 
 import asyncio
+import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -228,3 +230,15 @@ def test_the_engine_attends_in_place_only_with_a_build_measured_faster_than_torc
         assert kernel is not None and (not isa or kernel.attention_isa == isa)
         faster = (kernel.attends_faster(torch.bfloat16), kernel.attends_faster(torch.float32))
         assert faster == expected[kernel.attention_isa], march
+
+
+def test_an_installed_engine_carries_every_file_its_kernels_are_built_from() -> None:
+    """The library is compiled from source at start: each C file and every header they include
+    must be package data, or an installed engine would fall back to torch without its kernels."""
+    root = Path(kv_native.__file__).parent
+    config = tomllib.loads((root.parent / "pyproject.toml").read_text())
+    shipped = set(config["tool"]["setuptools"]["package-data"]["engine"])
+    needed = {source.name for source in kv_native.SOURCES}
+    for source in kv_native.SOURCES:
+        needed |= set(re.findall(r'#include "([^"]+)"', source.read_text()))
+    assert needed <= shipped and all((root / name).is_file() for name in needed)
