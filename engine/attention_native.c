@@ -118,29 +118,26 @@ static inline __m512 sum_lanes16(const __m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
 }
 
-/* Scores of query head `head` against 16 keys from slots[0..m), m <= 16: dim a multiple of 32. */
-static inline void scores16(const attention *a, int64_t head, int64_t kv, const int64_t *slots, int64_t m,
-                            float *out) {
+/* out[j] = (sum of the lanes of part[j]) * scale + bias for j < m <= 16. */
+static inline void store16(const __m512 part[16], int64_t m, float scale, float bias, float *out) {
+    __m512 sums = _mm512_fmadd_ps(sum_lanes16(part), _mm512_set1_ps(scale), _mm512_set1_ps(bias));
+    _mm512_mask_storeu_ps(out, (__mmask16)((1u << m) - 1u), sums);
+}
+
+/* Scores of bfloat16 query head `head` against the bfloat16 keys of slots[0..m), m <= 16, read
+ * where they lie: pairs of products (exact in float32) summed in float32; dim a multiple of 32. */
+static inline void scores16_bf16(const attention *a, int64_t head, int64_t kv, const int64_t *slots, int64_t m,
+                                 float *out) {
+    const uint16_t *q = (const uint16_t *)a->query + head * a->dim;
     __m512 part[16];
     for (int64_t j = 0; j < 16; j++) {
         __m512 s = _mm512_setzero_ps();
-        if (j < m) {
-            int64_t at = (slots[j] * a->kv_heads + kv) * a->dim, q = head * a->dim;
-            if (a->fp32) {
-                const float *k = (const float *)a->keys + at, *qf = (const float *)a->query + q;
-                for (int64_t d = 0; d < a->dim; d += 16)
-                    s = _mm512_fmadd_ps(_mm512_loadu_ps(qf + d), _mm512_loadu_ps(k + d), s);
-            } else { /* pairs of bfloat16 products, exact in float32, summed in float32 */
-                const uint16_t *k = (const uint16_t *)a->keys + at, *qh = (const uint16_t *)a->query + q;
-                for (int64_t d = 0; d < a->dim; d += 32)
-                    s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(qh + d),
-                                         (__m512bh)_mm512_loadu_si512(k + d));
-            }
-        }
+        const uint16_t *k = (const uint16_t *)a->keys + (slots[j < m ? j : 0] * a->kv_heads + kv) * a->dim;
+        for (int64_t d = 0; j < m && d < a->dim; d += 32)
+            s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(q + d), (__m512bh)_mm512_loadu_si512(k + d));
         part[j] = s;
     }
-    __m512 sums = _mm512_mul_ps(sum_lanes16(part), _mm512_set1_ps(a->scale));
-    _mm512_mask_storeu_ps(out, (__mmask16)((1u << m) - 1u), sums);
+    store16(part, m, a->scale, 0.0f, out);
 }
 
 /* out[j] = (q . rows[j]) * scale + bias for j < m <= 16: float32 rows, dim a multiple of 16. */
@@ -149,13 +146,11 @@ static inline void scores16_f32(const float *q, const float *const *rows, int64_
     __m512 part[16];
     for (int64_t j = 0; j < 16; j++) {
         __m512 s = _mm512_setzero_ps();
-        if (j < m)
-            for (int64_t d = 0; d < dim; d += 16)
-                s = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(rows[j] + d), s);
+        for (int64_t d = 0; j < m && d < dim; d += 16)
+            s = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(rows[j] + d), s);
         part[j] = s;
     }
-    __m512 sums = _mm512_fmadd_ps(sum_lanes16(part), _mm512_set1_ps(scale), _mm512_set1_ps(bias));
-    _mm512_mask_storeu_ps(out, (__mmask16)((1u << m) - 1u), sums);
+    store16(part, m, scale, bias, out);
 }
 
 /* acc[0..dim) += sum over j < m of p[j] * rows[j][0..dim): dim a multiple of 64. */
@@ -181,22 +176,15 @@ static inline void weigh(const float *const *rows, const float *p, int64_t m, in
 #define ATT_AVX512 0
 #endif
 
-/* The portable paths of the same two steps (any dim). */
-static void scores_generic(const attention *a, int64_t head, int64_t kv, const int64_t *slots, int64_t m,
-                           float *q, float *row, float *out) {
-    const float *qf = row_f32(a, a->query, head, q);
-    for (int64_t j = 0; j < m; j++) {
-        const float *k = row_f32(a, a->keys, slots[j] * a->kv_heads + kv, row);
-        float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-        for (int64_t d = 0; d < a->dim; d++)
-            s += qf[d] * k[d];
-        out[j] = s * a->scale;
+/* out[j] = (q . rows[j]) * scale + bias for j < m <= 16: float32 rows, any dim. */
+static void score_rows(const float *q, const float *const *rows, int64_t m, int64_t dim, float scale, float bias,
+                       float *out) {
+#if ATT_AVX512
+    if (dim % 16 == 0) {
+        scores16_f32(q, rows, m, dim, scale, bias, out);
+        return;
     }
-}
-
-static void scores_f32_generic(const float *q, const float *const *rows, int64_t m, int64_t dim, float scale,
-                               float bias, float *out) {
+#endif
     for (int64_t j = 0; j < m; j++) {
         float s = 0.0f;
 #pragma omp simd reduction(+ : s)
@@ -206,7 +194,14 @@ static void scores_f32_generic(const float *q, const float *const *rows, int64_t
     }
 }
 
-static void weigh_generic(const float *const *rows, const float *p, int64_t m, int64_t dim, float *acc) {
+/* acc[0..dim) += sum over j < m of p[j] * rows[j][0..dim): float32 rows, any dim. */
+static void weigh_rows(const float *const *rows, const float *p, int64_t m, int64_t dim, float *acc) {
+#if ATT_AVX512
+    if (dim % 64 == 0) {
+        weigh(rows, p, m, dim, acc);
+        return;
+    }
+#endif
     for (int64_t j = 0; j < m; j++)
 #pragma omp simd
         for (int64_t d = 0; d < dim; d++)
@@ -243,40 +238,35 @@ static inline void prefetch_rows(const attention *a, const void *base, const int
 
 /* Floats of work space one pair needs, for histories of up to `longest` tokens. */
 static int64_t work_floats(int64_t groups, int64_t dim, int64_t longest, int64_t block) {
-    return groups * longest + groups * dim + 2 * dim + (block > TILE ? block : TILE) * dim + TILE + groups;
+    int64_t rows = block > TILE ? block : TILE;
+    return groups * longest + groups * dim + 4 * dim + rows * dim + TILE + groups + 2 * rows;
 }
 
 /* The pair's quantised blocks: scores into scores[g][0 .. m * block) (row stride n), read where
  * they lie. Keys' scale and offset are per channel of a block, so a block's scores are
  * (q * scale) . codes + q . offset: the codes converted once, never dequantised. */
 static void cold_scores(const attention *a, const cold_layer *c, const int64_t *blocks, int64_t m, int64_t kv,
-                        int64_t first, int64_t n, float *scores, float *q, float *tile) {
+                        int64_t first, int64_t n, float *scores, float *q, float *qs, float *params, float *tile) {
     int64_t groups = a->groups, dim = a->dim;
     const float *rows[16];
-    float qs[1024]; /* dim <= 1024 (checked by the caller) */
     for (int64_t b = 0; b < m; b++) {
-        int64_t r = blocks[b] * a->kv_heads + kv;
+        int64_t r = blocks[b] * a->kv_heads + kv; /* the key scales and offsets are [rows][dim] */
+        const float *scale = row_f32(a, c->key_scale, r, params), *offset = row_f32(a, c->key_offset, r, params + dim);
         for (int64_t t = 0; t < c->block; t++)
             codes_f32(c, c->key_codes, r, t, dim, tile + t * dim);
         for (int64_t g = 0; g < groups; g++) {
             const float *qg = row_f32(a, a->query, first + g, q);
             float bias = 0.0f;
+#pragma omp simd reduction(+ : bias)
             for (int64_t d = 0; d < dim; d++) {
-                qs[d] = qg[d] * param(c->key_scale, r * dim + d, a->fp32);
-                bias += qg[d] * param(c->key_offset, r * dim + d, a->fp32);
+                qs[d] = qg[d] * scale[d];
+                bias += qg[d] * offset[d];
             }
             for (int64_t t = 0; t < c->block; t += 16) {
                 int64_t k = c->block - t < 16 ? c->block - t : 16;
                 for (int64_t j = 0; j < k; j++)
                     rows[j] = tile + (t + j) * dim;
-                float *out = scores + g * n + b * c->block + t;
-#if ATT_AVX512
-                if (dim % 16 == 0) {
-                    scores16_f32(qs, rows, k, dim, a->scale, bias * a->scale, out);
-                    continue;
-                }
-#endif
-                scores_f32_generic(qs, rows, k, dim, a->scale, bias * a->scale, out);
+                score_rows(qs, rows, k, dim, a->scale, bias * a->scale, scores + g * n + b * c->block + t);
             }
         }
     }
@@ -286,30 +276,32 @@ static void cold_scores(const attention *a, const cold_layer *c, const int64_t *
  * Values' scale and offset are per token: the weight of a token's codes is p * scale, and its
  * offset adds p * offset to every channel (summed into offsets[g]). */
 static void cold_values(const attention *a, const cold_layer *c, const int64_t *blocks, int64_t m, int64_t kv,
-                        int64_t n, const float *probs, float *acc, float *offsets, float *tile, float *w) {
+                        int64_t n, const float *probs, float *acc, float *offsets, float *params, float *tile,
+                        float *w) {
     int64_t groups = a->groups, dim = a->dim;
     const float *rows[TILE];
+    float *scale = params, *offset = params + c->block; /* of the block's tokens, as float32 */
     for (int64_t b = 0; b < m; b++) {
         int64_t r = blocks[b] * a->kv_heads + kv;
-        for (int64_t t = 0; t < c->block; t++)
+        for (int64_t t = 0; t < c->block; t++) {
             codes_f32(c, c->value_codes, r, t, dim, tile + t * dim);
+            scale[t] = param(c->value_scale, r * c->block + t, a->fp32);
+            offset[t] = param(c->value_offset, r * c->block + t, a->fp32);
+        }
         for (int64_t t = 0; t < c->block; t += TILE) {
             int64_t k = c->block - t < TILE ? c->block - t : TILE;
             for (int64_t j = 0; j < k; j++)
                 rows[j] = tile + (t + j) * dim;
             for (int64_t g = 0; g < groups; g++) {
                 const float *p = probs + g * n + b * c->block + t;
+                float added = 0.0f;
+#pragma omp simd reduction(+ : added)
                 for (int64_t j = 0; j < k; j++) {
-                    w[j] = p[j] * param(c->value_scale, r * c->block + t + j, a->fp32);
-                    offsets[g] += p[j] * param(c->value_offset, r * c->block + t + j, a->fp32);
+                    w[j] = p[j] * scale[t + j];
+                    added += p[j] * offset[t + j];
                 }
-#if ATT_AVX512
-                if (dim % 64 == 0) {
-                    weigh(rows, w, k, dim, acc + g * dim);
-                    continue;
-                }
-#endif
-                weigh_generic(rows, w, k, dim, acc + g * dim);
+                offsets[g] += added;
+                weigh_rows(rows, w, k, dim, acc + g * dim);
             }
         }
     }
@@ -324,29 +316,31 @@ static void attend_pair(const attention *a, const cold_layer *c, int64_t seq, in
     int64_t block = c != NULL && c->block > TILE ? c->block : TILE;
     float *scores = work;               /* [groups][n]: quantised history first */
     float *acc = scores + groups * n;   /* [groups][dim] */
-    float *q = acc + groups * dim;      /* [dim] */
-    float *row = q + dim;               /* [dim] */
-    float *tile = row + dim;            /* [block][dim]: rows as float32 */
+    float *q = acc + groups * dim;      /* [dim]: a query head as float32 */
+    float *qs = q + dim;                /* [dim]: the same times a quantised block's key scales */
+    float *tile = qs + dim;             /* [block][dim]: rows as float32 */
     float *w = tile + block * dim;      /* [TILE]: weights of quantised values */
     float *offsets = w + TILE;          /* [groups]: what values' offsets add to every channel */
-#if ATT_AVX512
-    int fast = dim % 64 == 0;
-#endif
+    float *params = offsets + groups;   /* [max(2 * dim, 2 * block)]: a block's scales and offsets */
+    int bf16_keys = ATT_AVX512 && !a->fp32 && dim % 32 == 0; /* scored where they lie, dpbf16 */
+    const float *rows[TILE];
     if (cold)
-        cold_scores(a, c, blocks, m, kv, first, n, scores, q, tile);
+        cold_scores(a, c, blocks, m, kv, first, n, scores, q, qs, params, tile);
     for (int64_t t = 0; t < hot; t += 16) { /* a tile of keys at a time, every query head: read once */
         int64_t k = hot - t < 16 ? hot - t : 16;
         if (t + 16 < hot)
             prefetch_rows(a, a->keys, slots + t + 16, hot - t - 16 < 16 ? hot - t - 16 : 16, kv);
+        for (int64_t j = 0; !bf16_keys && j < k; j++)
+            rows[j] = row_f32(a, a->keys, slots[t + j] * a->kv_heads + kv, tile + j * dim);
         for (int64_t g = 0; g < groups; g++) {
             float *out = scores + g * n + cold + t;
 #if ATT_AVX512
-            if (fast) {
-                scores16(a, first + g, kv, slots + t, k, out);
+            if (bf16_keys) {
+                scores16_bf16(a, first + g, kv, slots + t, k, out);
                 continue;
             }
 #endif
-            scores_generic(a, first + g, kv, slots + t, k, q, row, out);
+            score_rows(row_f32(a, a->query, first + g, q), rows, k, dim, a->scale, 0.0f, out);
         }
     }
     for (int64_t g = 0; g < groups; g++)
@@ -354,24 +348,15 @@ static void attend_pair(const attention *a, const cold_layer *c, int64_t seq, in
     memset(acc, 0, (size_t)(groups * dim) * sizeof(float));
     memset(offsets, 0, (size_t)groups * sizeof(float));
     if (cold)
-        cold_values(a, c, blocks, m, kv, n, scores, acc, offsets, tile, w);
-    const float *rows[TILE];
+        cold_values(a, c, blocks, m, kv, n, scores, acc, offsets, params, tile, w);
     for (int64_t t = 0; t < hot; t += TILE) {
         int64_t k = hot - t < TILE ? hot - t : TILE;
         if (t + TILE < hot)
             prefetch_rows(a, a->values, slots + t + TILE, hot - t - TILE < TILE ? hot - t - TILE : TILE, kv);
         for (int64_t j = 0; j < k; j++)
             rows[j] = row_f32(a, a->values, slots[t + j] * a->kv_heads + kv, tile + j * dim);
-        for (int64_t g = 0; g < groups; g++) {
-            const float *p = scores + g * n + cold + t;
-#if ATT_AVX512
-            if (fast) {
-                weigh(rows, p, k, dim, acc + g * dim);
-                continue;
-            }
-#endif
-            weigh_generic(rows, p, k, dim, acc + g * dim);
-        }
+        for (int64_t g = 0; g < groups; g++)
+            weigh_rows(rows, scores + g * n + cold + t, k, dim, acc + g * dim);
     }
     for (int64_t g = 0; g < groups; g++) {
         int64_t at = (first + g) * dim;
@@ -405,7 +390,7 @@ int kv_decode_attention(const void *query, const void *keys, const void *values,
                         const int64_t *starts, int64_t seqs, int64_t kv_heads, int64_t groups, int64_t dim,
                         int64_t num_slots, float scale, int fp32, const cold_layer *cold, void *out) {
     int64_t longest = 0;
-    if (dim > 1024 || (cold != NULL && ((cold->bits != 8 && cold->bits != 4) || (cold->bits == 4 && dim % 2))))
+    if (cold != NULL && ((cold->bits != 8 && cold->bits != 4) || (cold->bits == 4 && dim % 2)))
         return -1;
     for (int64_t i = 0; i < seqs; i++) {
         int64_t n = starts[i + 1] - starts[i];

@@ -67,10 +67,9 @@ class NativeKernel:
     def attends_faster(self, dtype: torch.dtype) -> bool:
         """Whether this build's decode attention beats torch's gathered path in `dtype`, as
         `bench.decode_attention` measured it (bench/results/decode-attention-cpu-amx.json, one CPU
-        running all three builds): the AVX-512 tiles do, in bf16 and fp32, over full-precision and
-        quantised history. The loops the compiler vectorises (the AVX2 and portable builds) lose
-        to torch over quantised history in fp32 (~0.4x) and over int4 in bf16 (~0.7x), and over
-        full precision in fp32 they ran 0.88x and 1.20x in two runs: there torch gathers."""
+        running all three builds): the AVX-512 tiles do, in bf16 (1.2-1.8x) and fp32 (1.4-1.9x),
+        over full-precision and quantised history; the loops the compiler vectorises (the AVX2
+        and portable builds) run at 0.3-0.5x torch's speed: there torch gathers."""
         return self.attention_isa == "avx512-bf16" and dtype in DTYPES
 
     def dequantize(
