@@ -46,7 +46,7 @@ from engine.loader import cpu_has_bf16
 PEERS = Path(__file__).resolve().parents[1] / ".peers"
 SYSTEMS = ("ours", "vllm", "llama")
 # our engine with that many tokens per step, and/or that KV_KERNEL (`ours:torch`: decodes gathered)
-OURS = re.compile(r"ours(?:@(\d+))?(?::(auto|torch|avx2|portable))?")
+OURS = re.compile(r"ours(?:@(\d+))?(?::(auto|torch|avx512|avx2|portable))?")
 
 
 def ours_step(system: str) -> str | None:

@@ -243,8 +243,17 @@ def paged_attention(
         out[step.in_place.rows] = in_place_attention(query[0], step.cache, layer, step.in_place, scale)
     for group in step.decodes:
         out[group.rows] = decode_attention(query[0], step.cache, layer, group, scale)
+    prompts = step.cache.prompt_kernel if sliding_window is None else None
+    groups = query.shape[1] // step.cache.shape.num_kv_heads
     for seq in step.seqs:
         q = query[:, :, seq.q_start : seq.q_start + seq.q_len]  # (1, H, q, D)
+        if prompts is not None and seq.cold_blocks is None and not seq.observe and groups <= 16:
+            # full-precision history, read where it lies (AMX tiles): no gathered copy, no mask
+            keys, values = step.cache.keys[layer], step.cache.values[layer]
+            out[seq.q_start : seq.q_start + seq.q_len] = prompts.prefill_attention(
+                q[0], keys, values, seq.kv_slots, scale
+            )
+            continue
         k, v = step.cache.read(layer, seq.kv_slots, seq.cold_blocks)  # (1, KVH, kv, D)
         mask = _mask(seq.q_len, seq.kv_len, sliding_window, query.device)
         # Prompt chunks: torch's fused CPU/GPU kernel wins once the score matrix is large.

@@ -12,7 +12,7 @@ from pydantic_settings import NoDecode
 Device = Literal["auto", "cpu", "cuda"]
 PrunePolicy = Literal["attention", "heuristic"]
 DType = Literal["auto", "bfloat16", "float32"]  # auto: bf16 where computed natively, else fp32
-KVKernel = Literal["auto", "torch", "avx2", "portable"]
+KVKernel = Literal["auto", "torch", "avx512", "avx2", "portable"]
 
 
 class EngineOptions(BaseModel):
@@ -48,7 +48,8 @@ class EngineOptions(BaseModel):
     kv_kernel: KVKernel = Field(
         default="auto",
         description="auto: quantised KV blocks read, and decodes attended in place where that build is "
-        "faster than torch, by C kernels built at start for this CPU; torch: by torch; avx2, portable: "
+        "faster than torch, by C kernels built at start for this CPU (bf16 decodes by AMX tiles where "
+        "it has them); torch: by torch; avx512 (an AMX CPU's build without its tiles), avx2, portable: "
         "the kernels' paths for an older CPU (to measure them on a newer one).",
     )
     max_tokens_per_step: int = Field(default=192, ge=1, description="Prefill chunks + decodes per forward.")
@@ -65,6 +66,11 @@ class EngineOptions(BaseModel):
     )
     kv_cache_memory_fraction: float = Field(default=0.2, gt=0, le=0.95)
     prefix_caching: bool = Field(default=True, description="Reuse the KV blocks of shared prompt prefixes.")
+    fuse_layers: bool = Field(
+        default=True,
+        description="RMSNorm and the MLP's SiLU * up each in one pass by the engine's C kernels (CPU; "
+        "SiLU * up where the CPU has AVX-512 with bf16); false: transformers' modules.",
+    )
     prepack_weights: bool = Field(
         default=True,
         description="Linear weights and the output head reordered once for oneDNN (CPU; fp32, or bf16 "

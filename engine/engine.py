@@ -71,6 +71,7 @@ class EngineStats:
     prefix_caching: bool
     prefix_cached_blocks: int  # blocks holding a registered prefix, in use or evictable
     prefix_hit_tokens: int  # prompt tokens adopted from the cache instead of computed, since start
+    prompt_reader: str = "torch"  # how prompt chunks read full-precision history: "native-amx-bf16", "torch"
 
     @property
     def kv_ratio(self) -> float:
@@ -121,12 +122,12 @@ class Engine:
         self._num_tokens = 0
         log.info(
             "KV pool: %d full-precision + %d int%d blocks x %d tokens%s, %.1f MiB (%d bytes/token full)%s; "
-            "decode attention: %s",
+            "decode attention: %s; prompt attention: %s",
             num_blocks, num_cold, config.kv_quant_bits, config.block_size,
             f" (int8 in layers {list(config.kv_int8_layers)})" if config.kv_int8_layers else "",
             self.cache.total_bytes / 2**20,
             shape.bytes_per_token, f", read by {self.cache.cold.reader}" if self.cache.cold else "",
-            self.cache.decode_reader,
+            self.cache.decode_reader, self.cache.prompt_reader,
         )  # fmt: skip
         if config.quantising and not num_cold:
             log.warning("KV_COMPRESSION=true but the KV budget leaves no room for quantised blocks")
@@ -137,7 +138,12 @@ class Engine:
     def from_config(cls, config: EngineConfig) -> Engine:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        return cls(config, load_model(config.model_path, config.device, config.dtype, config.prepack_weights))
+        return cls(
+            config,
+            load_model(
+                config.model_path, config.device, config.dtype, config.prepack_weights, config.fuse_layers
+            ),
+        )
 
     @property
     def model_id(self) -> str:
@@ -303,6 +309,7 @@ class Engine:
             kv_cold_bytes_per_token=cold_block / self.cache.block_size,
             kv_reader=cold.reader if cold else None,
             decode_reader=self.cache.decode_reader,
+            prompt_reader=self.cache.prompt_reader,
             prefix_caching=self.blocks.prefix_caching,
             prefix_cached_blocks=self.blocks.num_cached,
             prefix_hit_tokens=self.blocks.num_cache_hits * self.blocks.block_size,

@@ -237,7 +237,8 @@ class KVCache:
         kernel: NativeKernel | None = None,
     ) -> None:
         """`kernel`: the native kernel that attends decodes over full-precision slots in place
-        (`attention.in_place_attention`); None: torch gathers them (`attention.decode_attention`)."""
+        (`attention.in_place_attention`), and with AMX tiles in bf16 prompt chunks too
+        (`prompt_kernel`); None: torch gathers them (`attention.decode_attention`, and SDPA)."""
         self.shape = shape
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -251,7 +252,22 @@ class KVCache:
     @property
     def decode_reader(self) -> str:
         """How decodes read full-precision history: "native-<isa>" (in place) or "torch" (gathered)."""
-        return f"native-{self.kernel.attention_isa}" if self.kernel is not None else "torch"
+        if self.kernel is None:
+            return "torch"
+        return f"native-{self.kernel.decode_isa(self.shape.dtype, self.shape.head_dim)}"
+
+    @property
+    def prompt_kernel(self) -> NativeKernel | None:
+        """The kernel that attends prompt chunks over full-precision history in place (AMX tiles,
+        bf16, head size a multiple of 64), or None: torch's SDPA over a gathered copy."""
+        if self.kernel is None or self.kernel.decode_isa(self.shape.dtype, self.shape.head_dim) != "amx-bf16":
+            return None
+        return self.kernel
+
+    @property
+    def prompt_reader(self) -> str:
+        """How prompt chunks read full-precision history: "native-amx-bf16" (in place) or "torch"."""
+        return "native-amx-bf16" if self.prompt_kernel is not None else "torch"
 
     @property
     def bytes_per_block(self) -> int:

@@ -37,7 +37,9 @@ from engine.kv_quant import StoredLayer
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("kv_native.c", "attention_native.c"))
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("kv_native.c", "attention_native.c", "layers_native.c")
+)
 FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-fopenmp-simd")  # simd: the loops vectorise
 OPENMP = "-fopenmp"  # threads from the OpenMP runtime torch has loaded (libgomp.so.1)
 DTYPES = (torch.bfloat16, torch.float32)
@@ -63,6 +65,8 @@ class NativeKernel:
     library: ctypes.CDLL
     isa: str  # "avx512-bf16", "avx2" or "generic": the instruction set the build reads rows with
     attention_isa: str  # "avx512-bf16", "avx2" or "generic": that of decode attention
+    tiles: bool = False  # bf16 decode attention by AMX tiles (built for them, and the process may use them)
+    layers_isa: str = "loops"  # "avx512-bf16" or "loops": how layers_native.c's element-wise loops run
 
     def attends_faster(self, dtype: torch.dtype) -> bool:
         """Whether this build's decode attention beats torch's gathered path in `dtype`, as
@@ -71,6 +75,20 @@ class NativeKernel:
         over full-precision and quantised history; the loops the compiler vectorises (the AVX2
         and portable builds) run at 0.3-0.5x torch's speed: there torch gathers."""
         return self.attention_isa == "avx512-bf16" and dtype in DTYPES
+
+    @property
+    def fuses_mlp(self) -> bool:
+        """Whether SiLU * up runs faster here than torch's two operators: the AVX-512 loop does
+        (1.2-1.4x in bf16, several times in float32); the loops a compiler makes for older CPUs run
+        5-20x slower than torch (`bench.fused_layers`). RMSNorm is faster on every build."""
+        return self.layers_isa == "avx512-bf16"
+
+    def decode_isa(self, dtype: torch.dtype, head_dim: int) -> str:
+        """What decode attention over full-precision history computes with in `dtype`: "amx-bf16"
+        (tiles: bf16, head size a multiple of 64, and at most 16 query heads a KV head, as every
+        supported model has), else `attention_isa`."""
+        tiled = self.tiles and dtype == torch.bfloat16 and head_dim % 64 == 0
+        return "amx-bf16" if tiled else self.attention_isa
 
     def dequantize(
         self,
@@ -123,7 +141,11 @@ class NativeKernel:
 
         `cold`: (the layer of the quantised store, its bits, blocks, block starts): sequence i's
         history begins with the store's blocks[block_starts[i]:block_starts[i + 1]], read where they
-        lie (`kv_quant`'s format, never dequantised into a copy)."""
+        lie (`kv_quant`'s format, never dequantised into a copy).
+
+        With `tiles`, bf16 full-precision history is scored and weighed by AMX tiles (the
+        probabilities weighed as bf16, as torch's gathered path does);
+        `dataclasses.replace(kernel, tiles=False)` keeps the AVX-512 path."""
         seqs, heads, dim = query.shape
         kv_heads = keys.shape[1]
         parts = (query, keys, values, slots, starts, *(cold[0] + cold[2:] if cold else ()))
@@ -143,7 +165,7 @@ class NativeKernel:
         status = self.library.kv_decode_attention(
             query.data_ptr(), keys.data_ptr(), values.data_ptr(), slots.data_ptr(), starts.data_ptr(), seqs,
             kv_heads, heads // kv_heads, dim, keys.shape[0], scale, int(query.dtype == torch.float32),
-            None if layer is None else ctypes.byref(layer), out.data_ptr(),
+            int(self.tiles), None if layer is None else ctypes.byref(layer), out.data_ptr(),
         )  # fmt: skip
         if status:
             raise NativeKernelError(
@@ -151,6 +173,69 @@ class NativeKernel:
                 "full-precision token"
             )
         return out
+
+    def prefill_attention(
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Attention of a prompt chunk's bf16 queries (H, q, D) (any strides but the channels') to
+        its sequence's tokens at `slots` (kv,) of a layer's keys and values (S, KVH, D), the
+        chunk's own last, bottom-right causal: its token i sees the first kv - q + i + 1. By AMX
+        tiles (`tiles`; head size a multiple of 64): scores, a float32 softmax, values weighed with
+        bf16 probabilities, as torch's flash attention does. Returns (q, H, D)."""
+        heads, q_len, dim = query.shape
+        kv_heads = keys.shape[1]
+        if not self.tiles:
+            raise NativeKernelError("prompt attention in place needs the AMX build")
+        if any(t.device.type != "cpu" for t in (query, keys, values, slots)) or query.stride(2) != 1:
+            raise NativeKernelError("the native KV kernel reads CPU tensors, channels contiguous")
+        if not (keys.is_contiguous() and values.is_contiguous() and slots.is_contiguous()):
+            raise NativeKernelError("the native KV kernel reads a contiguous cache and slots")
+        if keys.shape != values.shape or keys.dim() != 3 or keys.shape[2] != dim or heads % kv_heads:
+            shapes = (tuple(t.shape) for t in (keys, values, query))
+            raise NativeKernelError("keys {}, values {}, query {}: not one layer's cache".format(*shapes))
+        if {query.dtype, keys.dtype, values.dtype} != {torch.bfloat16} or slots.dtype != torch.long:
+            raise NativeKernelError(f"unsupported dtypes: {query.dtype}, {keys.dtype}, {slots.dtype}")
+        out = torch.empty(q_len, heads, dim, dtype=query.dtype)
+        status = self.library.kv_prefill_attention(
+            query.data_ptr(), query.stride(0), query.stride(1), keys.data_ptr(), values.data_ptr(),
+            slots.data_ptr(), slots.shape[0], q_len, kv_heads, heads // kv_heads, dim, keys.shape[0], scale,
+            out.data_ptr(),
+        )  # fmt: skip
+        if status:
+            raise NativeKernelError(
+                f"{q_len} queries over {slots.shape[0]} tokens of head size {dim}, {heads} heads over "
+                f"{kv_heads}: a slot out of range (of {keys.shape[0]}), or a shape the tiles cannot take"
+            )
+        return out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of x (..., n) with weight (n,), rounded where transformers' module rounds (see
+        layers_native.c): float32 or bfloat16, contiguous, on the CPU."""
+        self._elementwise(x, weight)
+        if weight.shape != (x.shape[-1],):
+            raise NativeKernelError(f"weight {tuple(weight.shape)} for rows of {x.shape[-1]}")
+        out = torch.empty_like(x)
+        n, fp32 = x.shape[-1], int(x.dtype == torch.float32)
+        rows = x.numel() // n
+        self.library.kv_rms_norm(x.data_ptr(), weight.data_ptr(), rows, n, eps, fp32, out.data_ptr())
+        return out
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up, rounded where torch's eager operators round: float32 or bfloat16."""
+        self._elementwise(gate, up)
+        if gate.shape != up.shape:
+            raise NativeKernelError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
+        out = torch.empty_like(gate)
+        fp32 = int(gate.dtype == torch.float32)
+        self.library.kv_silu_mul(gate.data_ptr(), up.data_ptr(), gate.numel(), fp32, out.data_ptr())
+        return out
+
+    @staticmethod
+    def _elementwise(*tensors: torch.Tensor) -> None:
+        if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+            raise NativeKernelError("the native kernels read contiguous CPU tensors only")
+        if tensors[0].dtype not in DTYPES or any(t.dtype != tensors[0].dtype for t in tensors):
+            raise NativeKernelError(f"unsupported dtypes: {', '.join(str(t.dtype) for t in tensors)}")
 
 
 def _cold_layer(
@@ -221,10 +306,23 @@ def load(march: str = "native") -> NativeKernel | None:
     library.kv_attention_isa.restype = ctypes.c_char_p
     library.kv_decode_attention.restype = ctypes.c_int
     library.kv_decode_attention.argtypes = [
-        pointer, pointer, pointer, pointer, pointer, i64, i64, i64, i64, i64, ctypes.c_float, i32,
+        pointer, pointer, pointer, pointer, pointer, i64, i64, i64, i64, i64, ctypes.c_float, i32, i32,
         ctypes.POINTER(ColdLayer), pointer,
     ]  # fmt: skip
-    return NativeKernel(library, library.kv_native_isa().decode(), library.kv_attention_isa().decode())
+    library.kv_attention_tiles.restype = ctypes.c_int
+    library.kv_layers_isa.restype = ctypes.c_char_p
+    library.kv_rms_norm.restype = None
+    library.kv_rms_norm.argtypes = [pointer, pointer, i64, i64, ctypes.c_float, i32, pointer]
+    library.kv_silu_mul.restype = None
+    library.kv_silu_mul.argtypes = [pointer, pointer, i64, i32, pointer]
+    library.kv_prefill_attention.restype = ctypes.c_int
+    library.kv_prefill_attention.argtypes = [
+        pointer, i64, i64, pointer, pointer, pointer, i64, i64, i64, i64, i64, i64, ctypes.c_float, pointer,
+    ]  # fmt: skip
+    return NativeKernel(
+        library, library.kv_native_isa().decode(), library.kv_attention_isa().decode(),
+        bool(library.kv_attention_tiles()), library.kv_layers_isa().decode(),
+    )  # fmt: skip
 
 
 def _build(command: list[str]) -> None:

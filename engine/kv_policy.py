@@ -23,7 +23,7 @@ from __future__ import annotations
 import unicodedata
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -237,6 +237,8 @@ def build_cache(config: EngineConfig, shape: KVShape, device: torch.device, max_
     hot_bytes = shape.bytes_per_token * size
     native = config.kv_kernel != "torch" and device.type == "cpu" and shape.dtype in kv_native.DTYPES
     kernel = kv_native.load(kernel_target(config.kv_kernel)) if native else None
+    if kernel is not None and config.kv_kernel == "avx512":  # this build's AVX-512 path, tiles unused
+        kernel = replace(kernel, tiles=False)
     attends = kernel if kernel is not None and kernel.attends_faster(shape.dtype) else None
     # with the default budget, blocks beyond every running sequence at full length would stay idle
     usable = None if config.kv_cache_bytes is not None else config.effective_batch_size * -(-max_len // size)
@@ -258,6 +260,8 @@ def build_cache(config: EngineConfig, shape: KVShape, device: torch.device, max_
     return KVCache(shape, hot, size, device, cold_store, attends)
 
 
+# KV_KERNEL=avx512: the native build's own AVX-512 path (its AMX tiles unused), and what it needs.
+AVX512_BF16 = frozenset({"avx512f", "avx512bw", "avx512_bf16"})
 # An older CPU's kernel path: its compiler target (-march) and the CPU flags it needs.
 OLDER_PATHS = {"avx2": ("haswell", frozenset({"avx2", "fma"})), "portable": ("x86-64", frozenset({"sse2"}))}
 
@@ -265,6 +269,8 @@ OLDER_PATHS = {"avx2": ("haswell", frozenset({"avx2", "fma"})), "portable": ("x8
 def kernel_target(kernel: KVKernel) -> str:
     """The compiler target (`-march`) of a native KV kernel choice; refuses a path this CPU lacks
     (running it would stop the process on an illegal instruction)."""
+    if kernel == "avx512" and not cpu_flags() >= AVX512_BF16:
+        raise ValueError(f"KV_KERNEL=avx512 needs a CPU with {', '.join(sorted(AVX512_BF16))}")
     if kernel not in OLDER_PATHS:
         return "native"
     march, needs = OLDER_PATHS[kernel]

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import torch
 
+from engine import fused, kv_native
 from engine.config import Device, DType
 from engine.linear import pack_linears
 
@@ -99,11 +100,16 @@ def select_dtype(dtype: DType, device: torch.device) -> torch.dtype:
 
 
 def load_model(
-    path: Path, device: Device = "auto", dtype: DType = "auto", prepack_weights: bool = True
+    path: Path,
+    device: Device = "auto",
+    dtype: DType = "auto",
+    prepack_weights: bool = True,
+    fuse_layers: bool = True,
 ) -> LoadedModel:
     """`prepack_weights`: the decoder layers' linear weights and the output head reordered once for
     oneDNN on a CPU, in fp32 or, where the CPU computes it natively, bf16 (`engine.linear`); no
-    effect elsewhere."""
+    effect elsewhere. `fuse_layers`: RMSNorm and SiLU * up by the native kernels on a CPU
+    (`engine.fused`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     check_model_folder(path)
@@ -118,6 +124,8 @@ def load_model(
     model.eval()
     if prepack_weights:
         pack_linears(model, target, torch_dtype, weights_folder=path)
+    if fuse_layers and target.type == "cpu" and torch_dtype in kv_native.DTYPES:
+        fused.fuse_layers(model, kv_native.load(), target)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model_id = str(getattr(model.config, "_name_or_path", "") or path.name)

@@ -302,6 +302,7 @@ class OpenAIBackend:
             kv_cold_bytes_per_token=0.0,
             kv_reader=None,
             decode_reader="server",
+            prompt_reader="server",
             prefix_caching=False,
             prefix_cached_blocks=0,
             prefix_hit_tokens=0,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import re
 import tomllib
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 from engine import Engine, EngineConfig, SamplingParams, kv_native
 from engine.attention import SeqSlice, decode_attention, group_decodes, in_place_attention, in_place_decodes
 from engine.kv_cache import ColdStore, KVCache, KVShape, slots_of
-from engine.kv_native import NativeKernelError
+from engine.kv_native import NativeKernel, NativeKernelError
 from engine.kv_quant import QuantFormat, stored_centred
 from engine.loader import LoadedModel
 from engine.tiny import build_tiny
@@ -25,9 +26,24 @@ from tests.engine.test_kv_compression import native_kernel, runnable_builds
 LENGTHS = (1, 15, 17, 70, 200)
 
 
-def paged_cache(shape: KVShape, lengths: tuple[int, ...], seed: int) -> tuple[KVCache, list[SeqSlice]]:
-    """A cache of random keys and values, each sequence's blocks scattered over the pool."""
-    size = 16
+def every_build() -> list[tuple[str, NativeKernel]]:
+    """(label, kernel) for each path this CPU runs: its own build, that build without AMX tiles
+    where it has them (the AVX-512 path of CPUs without AMX), and the AVX2 and portable builds."""
+    kernel = native_kernel()
+    builds = [(f"native ({kernel.decode_isa(torch.bfloat16, 64)})", kernel)]
+    if kernel.tiles:
+        builds.append((f"native without tiles ({kernel.attention_isa})", replace(kernel, tiles=False)))
+    for march, isa in runnable_builds():
+        other = kv_native.load(march)
+        assert other is not None
+        builds.append((f"{march} ({isa})", other))
+    return builds
+
+
+def paged_cache(
+    shape: KVShape, lengths: tuple[int, ...], seed: int, size: int = 16
+) -> tuple[KVCache, list[SeqSlice]]:
+    """A cache of random keys and values, each sequence's blocks (`size` tokens) scattered over the pool."""
     tables = [-(-n // size) for n in lengths]
     gen = torch.Generator().manual_seed(seed)
     order = torch.randperm(sum(tables) + 3, generator=gen).tolist()
@@ -50,29 +66,29 @@ def by_hand(query: torch.Tensor, cache: KVCache, seq: SeqSlice, scale: float) ->
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [64, 128, 24])  # 64, 128: AVX-512 tiles; 24: the loops
-def test_every_build_attends_in_place_as_attention_by_hand(head_dim: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("head_dim", [64, 128, 24])  # 64, 128: AVX-512 (and AMX) tiles; 24: the loops
+@pytest.mark.parametrize("block", [16, 8])  # 8: a tile of 16 keys spans two blocks, maybe apart
+def test_every_build_attends_in_place_as_attention_by_hand(
+    head_dim: int, dtype: torch.dtype, block: int
+) -> None:
     """Sequences of 1 to 200 tokens in scattered blocks, seven query heads to a KV head: each build
-    (this CPU's, and the AVX2 and portable ones it also runs) gives float64 attention over the same
-    keys and values, to float32 rounding (bf16: the output's one rounding)."""
+    (this CPU's, without its AMX tiles where it has them, and the AVX2 and portable ones it also
+    runs) gives float64 attention over the same keys and values, to float32 rounding (bf16: the
+    output's one rounding; with tiles, each probability's two bf16 halves too)."""
     native_kernel()
     shape = KVShape(num_layers=1, num_kv_heads=2, head_dim=head_dim, dtype=dtype)
-    cache, seqs = paged_cache(shape, LENGTHS, seed=head_dim)
+    cache, seqs = paged_cache(shape, LENGTHS, seed=head_dim, size=block)
     query = torch.randn(14, len(seqs), head_dim, generator=torch.Generator().manual_seed(3)).to(dtype)
     scale = head_dim**-0.5
     decodes, rest = in_place_decodes(seqs)
     assert decodes is not None and not rest
     expected = torch.stack([by_hand(query, cache, seq, scale) for seq in seqs])
     step = 2**-8 if dtype == torch.bfloat16 else 1e-6
-    for march, _ in [("native", ""), *runnable_builds()]:
-        kernel = kv_native.load(march)
-        assert kernel is not None
+    for label, kernel in every_build():
         cache.kernel = kernel
         got = in_place_attention(query, cache, 0, decodes, scale)
         assert got.dtype == dtype and got.shape == (len(seqs), 14, head_dim)
-        torch.testing.assert_close(
-            got.double(), expected, rtol=step, atol=step, msg=f"{march} ({kernel.attention_isa})"
-        )
+        torch.testing.assert_close(got.double(), expected, rtol=step, atol=step, msg=label)
 
 
 def with_quantised_history(shape: KVShape, bits: int, seed: int) -> tuple[KVCache, list[SeqSlice]]:
@@ -130,12 +146,10 @@ def test_every_build_attends_to_quantised_blocks_in_place_as_dequantising_by_han
         q = query[:, seq.q_start].double().view(2, 7, head_dim)
         expected.append((torch.softmax(q @ keys.transpose(1, 2) * scale, dim=-1) @ values).flatten(0, 1))
     step = 2**-8 if dtype == torch.bfloat16 else 1e-6
-    for march, _ in [("native", ""), *runnable_builds()]:
-        kernel = kv_native.load(march)
-        assert kernel is not None
+    for label, kernel in every_build():
         cache.kernel = kernel
         got = in_place_attention(query, cache, 0, decodes, scale).double()
-        torch.testing.assert_close(got, torch.stack(expected), rtol=step, atol=step, msg=march)
+        torch.testing.assert_close(got, torch.stack(expected), rtol=step, atol=step, msg=label)
 
 
 def test_in_place_and_gathered_decode_attention_agree() -> None:
@@ -218,6 +232,90 @@ async def test_in_place_and_gathered_decodes_generate_the_same_tokens(tiny: Load
             return [r.token_ids for r in results]
 
     assert await run() == await run(kv_kernel="torch")
+
+
+def chunk_by_hand(query: torch.Tensor, cache: KVCache, slots: torch.Tensor, scale: float) -> torch.Tensor:
+    """(q, H, D) in float64: a prompt chunk's queries (H, q, D), the last q of the tokens at `slots`,
+    over them with a bottom-right causal mask."""
+    keys, values = (t[0, slots].double().transpose(0, 1) for t in (cache.keys, cache.values))  # (KVH, L, D)
+    heads, q_len, dim = query.shape
+    kv_heads, kv_len = keys.shape[0], keys.shape[1]
+    q = query.double().view(kv_heads, heads // kv_heads, q_len, dim)
+    scores = q @ keys[:, None].transpose(2, 3) * scale  # (KVH, G, q, L)
+    seen = torch.arange(kv_len)[None, :] <= torch.arange(kv_len - q_len, kv_len)[:, None]
+    probs = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
+    return (probs @ values[:, None]).reshape(heads, q_len, dim).transpose(0, 1)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block", [16, 8])
+def test_prompt_chunks_attended_in_place_as_attention_by_hand(head_dim: int, block: int) -> None:
+    """bf16 prompt chunks of 1 to 200 tokens over histories of 0 to 130 tokens in scattered blocks,
+    queries strided as the model hands them over, seven query heads to a KV head: the AMX tiles
+    give float64 causal attention to bf16 rounding (the output's, and the probabilities', as
+    torch's flash attention rounds them); so does torch's SDPA."""
+    kernel = native_kernel()
+    if not kernel.tiles:
+        pytest.skip("prompt chunks are attended in place only by the AMX build")
+    chunks = ((17, 17), (40, 23), (200, 70), (33, 1), (64, 64), (130, 16))  # (history + chunk, chunk)
+    shape = KVShape(1, 2, head_dim, torch.bfloat16)
+    cache, seqs = paged_cache(shape, tuple(n for n, _ in chunks), seed=head_dim + block, size=block)
+    gen = torch.Generator().manual_seed(5)
+    for seq, (kv_len, q_len) in zip(seqs, chunks, strict=True):
+        packed = torch.randn(1, q_len + 6, 14, head_dim, generator=gen).to(torch.bfloat16)
+        query = packed.transpose(1, 2)[0, :, 3 : 3 + q_len]  # (H, q, D), tokens strided by H * D
+        got = kernel.prefill_attention(query, cache.keys[0], cache.values[0], seq.kv_slots, head_dim**-0.5)
+        expected = chunk_by_hand(query, cache, seq.kv_slots, head_dim**-0.5)
+        torch.testing.assert_close(got.double(), expected, rtol=2**-7, atol=2**-7, msg=f"{kv_len}, {q_len}")
+
+
+def tiny_head64() -> LoadedModel:
+    """A tiny bf16 Qwen2 with the head size the AMX tiles take (64), two query heads to a KV head."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from engine.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(1)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+    return LoadedModel(model, tokenizer, "tiny-head64", torch.device("cpu"), torch.bfloat16)
+
+
+async def test_the_engine_reads_prompt_chunks_in_place_with_the_logits_of_sdpa() -> None:
+    """bf16, 8-token prompt chunks, the second request reusing the first's cached prefix (so its
+    chunks attend to history), teacher-forced: with the AMX build the engine attends prompt chunks
+    in place (`prompt_reader`), and every sampled token's logits match those of torch's SDPA over
+    a gathered copy (KV_KERNEL=avx512) to bf16 rounding."""
+    kernel = native_kernel()
+    if not kernel.tiles:
+        pytest.skip("prompt chunks are attended in place only by the AMX build")
+    tiny = tiny_head64()
+    forced = tuple(range(5, 17))
+
+    async def run(kv_kernel: str) -> list[torch.Tensor]:
+        config = EngineConfig(
+            model_path=Path("unused"), dtype="bfloat16", kv_cache_bytes=1 << 22, block_size=8,
+            max_tokens_per_step=8, kv_kernel=kv_kernel,  # type: ignore[arg-type]
+        )  # fmt: skip
+        async with Engine(config, tiny) as engine:
+            in_place = kv_kernel == "auto"
+            assert engine.stats().prompt_reader == ("native-amx-bf16" if in_place else "torch")
+            first = engine.format_chat([{"role": "user", "content": "会议决定下季度增加预算 " * 3}])
+            params = SamplingParams(max_new_tokens=12, forced_ids=forced)
+            rows = await engine.observe(first, params)
+            rows += await engine.observe(first + [7, 8, 9] * 7, params)
+            assert engine.stats().prefix_hit_tokens > 0
+            return rows
+
+    in_place, sdpa = await run("auto"), await run("avx512")
+    assert len(in_place) == len(sdpa) == 24
+    for got, expected in zip(in_place, sdpa, strict=True):
+        torch.testing.assert_close(got, expected, rtol=0.02, atol=0.02)
 
 
 def test_the_engine_attends_in_place_only_with_a_build_measured_faster_than_torch() -> None:
