@@ -1,7 +1,8 @@
 """How fast decode attention reads full-precision history: torch's path, which gathers each
 sequence's keys and values out of the paged pool into a padded copy before its batched products
 (`attention.decode_attention`), against the native kernel reading them where they lie
-(`attention.in_place_attention`), built for each path this CPU runs (its own, `-march=native`;
+(`attention.in_place_attention`), built for each path this CPU runs (its own, `-march=native`,
+with its AMX tiles where it has them (bf16 full-precision history) and without (KV_KERNEL=avx512);
 AVX2's and the portable one, what older CPUs build), in one run.
 
 The cache has the default model's attention shape (14 query heads over 2 KV heads of 64
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +42,19 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 14, 2, 64, 16
 
 
 def builds() -> dict[str, NativeKernel]:
-    """Name -> the kernel built for each path this CPU runs."""
+    """Name -> the kernel built for each path this CPU runs (its own with AMX tiles, where it has
+    them, and without: KV_KERNEL=avx512)."""
     found: dict[str, NativeKernel] = {}
     for choice, kernel in common.kernel_builds().items():
-        name = f"this CPU's ({kernel.attention_isa})" if choice == "auto" else choice
+        if choice == "auto" and kernel.tiles:
+            found[f"in place, this CPU's without tiles ({kernel.attention_isa})"] = replace(
+                kernel, tiles=False
+            )
+        name = (
+            f"this CPU's ({kernel.decode_isa(torch.bfloat16, HEAD_DIM)} in bf16)"
+            if choice == "auto"
+            else choice
+        )
         found[f"in place, {name}"] = kernel
     return found
 

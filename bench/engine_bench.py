@@ -13,6 +13,8 @@ threads, greedy):
      when named in --variants): the throughput cost of quantised KV blocks at equal batch size
   8. engine_dynamic_unpacked  (5) with PREPACK_WEIGHTS=false (only when named in --variants): what
      reordering the bf16 weights once for oneDNN is worth (no difference in fp32)
+  9. engine_dynamic_unfused  (5) with FUSE_LAYERS=false (only when named in --variants): what
+     RMSNorm and SiLU * up by the native kernels are worth (`engine.fused`)
 Scenarios: `burst` (every request arrives at t=0) and `stream` (open-loop Poisson arrivals; the
 one-at-a-time generate serves them in arrival order; static batches and `generate_batch` cannot
 take a stream and run the burst only).
@@ -51,6 +53,7 @@ from rich.table import Table
 from bench import common
 from bench.engine_variants import (
     ENGINE_VARIANTS,
+    UNFUSED_VARIANTS,
     UNPACKED_VARIANTS,
     WARM_UP_IDS,
     PeakRSS,
@@ -65,6 +68,7 @@ from bench.engine_variants import (
 from bench.random_model import SHAPES, build_random
 from engine import EngineConfig
 from engine.config import KVKernel
+from engine.fused import NativeRMSNorm
 from engine.linear import PackedLinear
 from engine.loader import LoadedModel, load_model, select_device, select_dtype
 
@@ -205,9 +209,11 @@ def main() -> None:
         )
     else:  # a run of unpacked variants alone (a child) loads the model unpacked
         loaded = load_model(
-            args.model, dtype=args.dtype, prepack_weights=not set(variants) <= UNPACKED_VARIANTS
-        )
-    unpacked: list[LoadedModel] = []  # without isolation, a second copy for the unpacked variants
+            args.model, dtype=args.dtype, prepack_weights=not set(variants) <= UNPACKED_VARIANTS,
+            fuse_layers=not set(variants) <= UNFUSED_VARIANTS,
+        )  # fmt: skip
+    # without isolation, a second copy for the unpacked (or unfused) variants
+    plain: dict[str, LoadedModel] = {}
     pool = args.kv_cache_mib * 2**20
     if args.prompt_ids:
         prompts = [list(map(int, p)) for p in json.loads(args.prompt_ids.read_text())][: args.docs]
@@ -226,9 +232,13 @@ def main() -> None:
         dynamic, prefix, bits = ENGINE_VARIANTS[variant]
         model = loaded
         if variant in UNPACKED_VARIANTS and any(isinstance(m, PackedLinear) for m in loaded.model.modules()):
-            if not unpacked:
-                unpacked.append(load_model(args.model, dtype=args.dtype, prepack_weights=False))
-            model = unpacked[0]
+            if "unpacked" not in plain:
+                plain["unpacked"] = load_model(args.model, dtype=args.dtype, prepack_weights=False)
+            model = plain["unpacked"]
+        if variant in UNFUSED_VARIANTS and any(isinstance(m, NativeRMSNorm) for m in loaded.model.modules()):
+            if "unfused" not in plain:
+                plain["unfused"] = load_model(args.model, dtype=args.dtype, fuse_layers=False)
+            model = plain["unfused"]
         return engine_run(
             model, prompts, n, at[scenario], dynamic, args.max_batch, args.step_tokens, prefix, pool, bits,
             kv_kernel=args.kv_kernel,

@@ -290,6 +290,9 @@ def ttft_isolation(
 # Our engine's variants: (DYNAMIC_BATCHING, prefix caching, KV bits; 16 = uncompressed).
 ENGINE_VARIANTS = {"engine_static": (False, True, 16), "engine_dynamic": (True, True, 16),
                    "engine_dynamic_noprefix": (True, False, 16), "engine_dynamic_int8": (True, True, 8),
-                   "engine_dynamic_int4": (True, True, 4), "engine_dynamic_unpacked": (True, True, 16)}  # fmt: skip
+                   "engine_dynamic_int4": (True, True, 4), "engine_dynamic_unpacked": (True, True, 16),
+                   "engine_dynamic_unfused": (True, True, 16)}  # fmt: skip
 # Variants whose model keeps `nn.Linear` (PREPACK_WEIGHTS=false): what prepacking is worth.
 UNPACKED_VARIANTS = frozenset({"engine_dynamic_unpacked"})
+# Variants whose model keeps transformers' RMSNorm and MLP (FUSE_LAYERS=false): what fusing is worth.
+UNFUSED_VARIANTS = frozenset({"engine_dynamic_unfused"})
