@@ -243,15 +243,20 @@ def paged_attention(
         out[step.in_place.rows] = in_place_attention(query[0], step.cache, layer, step.in_place, scale)
     for group in step.decodes:
         out[group.rows] = decode_attention(query[0], step.cache, layer, group, scale)
-    prompts = step.cache.prompt_kernel if sliding_window is None else None
-    groups = query.shape[1] // step.cache.shape.num_kv_heads
+    cache = step.cache
+    prompts = cache.prompt_kernel if sliding_window is None else None
+    groups = query.shape[1] // cache.shape.num_kv_heads
+    reads_cold = cache.cold is not None and cache.cold.rotation is None  # rotated: torch un-rotates
     for seq in step.seqs:
         q = query[:, :, seq.q_start : seq.q_start + seq.q_len]  # (1, H, q, D)
-        if prompts is not None and seq.cold_blocks is None and not seq.observe and groups <= 16:
-            # full-precision history, read where it lies (AMX tiles): no gathered copy, no mask
-            keys, values = step.cache.keys[layer], step.cache.values[layer]
+        in_place = seq.cold_blocks is None or reads_cold
+        if prompts is not None and in_place and not seq.observe and groups <= 16:
+            # history read where it lies (AMX tiles; quantised blocks dequantised on the way): no mask
+            cold = None
+            if seq.cold_blocks is not None and cache.cold is not None:
+                cold = (cache.cold.layer(layer), cache.cold.formats[layer].bits, seq.cold_blocks)
             out[seq.q_start : seq.q_start + seq.q_len] = prompts.prefill_attention(
-                q[0], keys, values, seq.kv_slots, scale
+                q[0], cache.keys[layer], cache.values[layer], seq.kv_slots, scale, cold
             )
             continue
         k, v = step.cache.read(layer, seq.kv_slots, seq.cold_blocks)  # (1, KVH, kv, D)

@@ -724,41 +724,83 @@ int kv_decode_attention(const void *query, const void *keys, const void *values,
     return failed ? -1 : 0;
 }
 
+/* Token j of KV head h of a chunk's history, into key[0 .. dim) and value[0 .. dim) as bf16: the
+ * quantised blocks first (dequantised as kv_native.c's reader does: centred code * scale + offset
+ * in float32, rounded once), then the full-precision slots. `codes` is dim floats of work space. */
+static void history_row(const attention *a, const cold_layer *c, int64_t cold_len, const int64_t *slots, int64_t h,
+                        int64_t j, float *codes, uint16_t *key, uint16_t *value) {
+    int64_t dim = a->dim;
+    if (j >= cold_len) {
+        int64_t row = slots[j - cold_len] * a->kv_heads + h;
+        memcpy(key, (const uint16_t *)a->keys + row * dim, (size_t)dim * 2);
+        memcpy(value, (const uint16_t *)a->values + row * dim, (size_t)dim * 2);
+        return;
+    }
+    int64_t r = c->blocks[c->starts[0] + j / c->block] * a->kv_heads + h, t = j % c->block;
+    codes_f32(c, c->key_codes, r, t, dim, codes);
+    for (int64_t d = 0; d < dim; d++)
+        key[d] = f32_to_bf16(codes[d] * param(c->key_scale, r * dim + d, 0) + param(c->key_offset, r * dim + d, 0));
+    codes_f32(c, c->value_codes, r, t, dim, codes);
+    float scale = param(c->value_scale, r * c->block + t, 0), offset = param(c->value_offset, r * c->block + t, 0);
+    for (int64_t d = 0; d < dim; d++)
+        value[d] = f32_to_bf16(codes[d] * scale + offset);
+}
+
 /* out (q_len, kv_heads * groups, dim) = attention of a prompt chunk's q_len bf16 queries (query
- * head h's token i at query + h * head_stride + i * token_stride elements) to the kv_len tokens of
- * its sequence at slots[0 .. kv_len) of the layer's keys and values (num_slots, kv_heads, dim),
- * the chunk's own tokens last: token i sits at position kv_len - q_len + i and sees the keys up to
- * it (bottom-right causal). Keys and values are gathered once per call (keys as they are, values
+ * head h's token i at query + h * head_stride + i * token_stride elements) to its sequence's
+ * history: with `cold` (else NULL), the quantised blocks blocks[starts[0] .. starts[1]) first,
+ * then the `hot` tokens at slots[0 .. hot) of the layer's keys and values (num_slots, kv_heads,
+ * dim), the chunk's own tokens last. Of the kv_len tokens in all, chunk token i sits at position
+ * kv_len - q_len + i and sees the keys up to it (bottom-right causal). Keys and values are
+ * gathered once per call (quantised ones dequantised to bf16, as torch's path reads them; values
  * transposed), then blocks of 16 queries of one head are shared by the threads. Needs the AMX
  * build, dim a multiple of 64, at most 16 query heads a KV head and 1 <= q_len <= kv_len;
- * returns 0, or -1 (nothing written) when those do not hold, a slot is out of range or memory is
- * not to be had. */
+ * returns 0, or -1 (nothing written) when those do not hold, a slot or block is out of range, the
+ * format is unknown or memory is not to be had. */
 int kv_prefill_attention(const void *query, int64_t head_stride, int64_t token_stride, const void *keys,
-                         const void *values, const int64_t *slots, int64_t kv_len, int64_t q_len, int64_t kv_heads,
-                         int64_t groups, int64_t dim, int64_t num_slots, float scale, void *out) {
+                         const void *values, const int64_t *slots, int64_t hot, int64_t q_len, int64_t kv_heads,
+                         int64_t groups, int64_t dim, int64_t num_slots, float scale, const cold_layer *cold,
+                         void *out) {
 #if ATT_AMX
-    if (dim % 64 || groups > 16 || q_len < 1 || q_len > kv_len)
+    int64_t cold_len = cold != NULL ? (cold->starts[1] - cold->starts[0]) * cold->block : 0, kv_len = cold_len + hot;
+    if (dim % 64 || groups > 16 || q_len < 1 || q_len > kv_len || cold_len < 0)
         return -1;
-    for (int64_t j = 0; j < kv_len; j++)
+    if (cold != NULL && (cold->bits != 8 && cold->bits != 4))
+        return -1;
+    for (int64_t j = 0; j < hot; j++)
         if (slots[j] < 0 || slots[j] >= num_slots)
             return -1;
+    for (int64_t b = 0; cold != NULL && b < cold->starts[1] - cold->starts[0]; b++)
+        if (cold->blocks[cold->starts[0] + b] < 0 || cold->blocks[cold->starts[0] + b] >= cold->num_blocks)
+            return -1;
     int64_t kv_pad = (kv_len + 31) / 32 * 32;
-    uint16_t *gathered = aligned_alloc(64, (size_t)(2 * kv_heads * kv_pad * dim) * 2);
-    if (gathered == NULL)
+    /* keys [kv_heads][kv_pad][dim], values [kv_heads][dim][kv_pad], and a value row per KV head */
+    uint16_t *gathered = aligned_alloc(64, (size_t)((2 * kv_pad + 1) * kv_heads * dim) * 2);
+    float *codes = malloc((size_t)(kv_heads * dim) * sizeof(float));
+    if (gathered == NULL || codes == NULL) {
+        free(gathered);
+        free(codes);
         return -1;
+    }
     uint16_t *k = gathered, *vt = gathered + kv_heads * kv_pad * dim;
-    const uint16_t *K = (const uint16_t *)keys, *V = (const uint16_t *)values;
+    attention a = {query, keys, values, kv_heads, groups, dim, scale, 0, 1, out};
 #pragma omp parallel for schedule(static)
     for (int64_t h = 0; h < kv_heads; h++) {
+        uint16_t *row = vt + kv_heads * dim * kv_pad + h * dim;
         for (int64_t j = 0; j < kv_pad; j++) {
-            if (j < kv_len)
-                memcpy(k + (h * kv_pad + j) * dim, K + (slots[j] * kv_heads + h) * dim, (size_t)dim * 2);
-            else
-                memset(k + (h * kv_pad + j) * dim, 0, (size_t)dim * 2);
+            uint16_t *key = k + (h * kv_pad + j) * dim;
+            if (j >= kv_len) {
+                memset(key, 0, (size_t)dim * 2);
+                for (int64_t d = 0; d < dim; d++)
+                    vt[(h * dim + d) * kv_pad + j] = 0;
+                continue;
+            }
+            history_row(&a, cold, cold_len, slots, h, j, codes + h * dim, key, row);
             for (int64_t d = 0; d < dim; d++)
-                vt[(h * dim + d) * kv_pad + j] = j < kv_len ? V[(slots[j] * kv_heads + h) * dim + d] : 0;
+                vt[(h * dim + d) * kv_pad + j] = row[d];
         }
     }
+    free(codes);
     chunk c = {(const uint16_t *)query, head_stride, token_stride, k, vt, kv_len, kv_pad, q_len, kv_heads,
                groups, dim, scale, (uint16_t *)out};
     int64_t blocks = (q_len + 15) / 16, items = kv_heads * groups * blocks;
@@ -780,8 +822,8 @@ int kv_prefill_attention(const void *query, int64_t head_stride, int64_t token_s
     free(gathered);
     return failed ? -1 : 0;
 #else
-    (void)query, (void)head_stride, (void)token_stride, (void)keys, (void)values, (void)slots, (void)kv_len;
-    (void)q_len, (void)kv_heads, (void)groups, (void)dim, (void)num_slots, (void)scale, (void)out;
+    (void)query, (void)head_stride, (void)token_stride, (void)keys, (void)values, (void)slots, (void)hot;
+    (void)q_len, (void)kv_heads, (void)groups, (void)dim, (void)num_slots, (void)scale, (void)cold, (void)out;
     return -1;
 #endif
 }

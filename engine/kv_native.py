@@ -175,11 +175,19 @@ class NativeKernel:
         return out
 
     def prefill_attention(
-        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, scale: float
+        self,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        slots: torch.Tensor,
+        scale: float,
+        cold: tuple[StoredLayer, int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Attention of a prompt chunk's bf16 queries (H, q, D) (any strides but the channels') to
-        its sequence's tokens at `slots` (kv,) of a layer's keys and values (S, KVH, D), the
-        chunk's own last, bottom-right causal: its token i sees the first kv - q + i + 1. By AMX
+        its sequence's tokens at `slots` (n,) of a layer's keys and values (S, KVH, D), the
+        chunk's own last, bottom-right causal: of kv tokens in all, its token i sees the first
+        kv - q + i + 1. `cold`: (the layer of the quantised store, its bits, blocks (m,)): the
+        history begins with those blocks, dequantised to bf16 as `dequantize` reads them. By AMX
         tiles (`tiles`; head size a multiple of 64): scores, a float32 softmax, values weighed with
         bf16 probabilities, as torch's flash attention does. Returns (q, H, D)."""
         heads, q_len, dim = query.shape
@@ -195,16 +203,24 @@ class NativeKernel:
             raise NativeKernelError("keys {}, values {}, query {}: not one layer's cache".format(*shapes))
         if {query.dtype, keys.dtype, values.dtype} != {torch.bfloat16} or slots.dtype != torch.long:
             raise NativeKernelError(f"unsupported dtypes: {query.dtype}, {keys.dtype}, {slots.dtype}")
+        layer = None
+        if cold is not None:
+            blocks = cold[2]
+            if any(t.device.type != "cpu" or not t.is_contiguous() for t in (*cold[0], blocks)):
+                raise NativeKernelError("the native KV kernel reads a contiguous CPU store and blocks")
+            starts = torch.tensor([0, blocks.shape[0]], dtype=torch.long)
+            layer = _cold_layer((cold[0], cold[1], blocks, starts), query, 1)
         out = torch.empty(q_len, heads, dim, dtype=query.dtype)
         status = self.library.kv_prefill_attention(
             query.data_ptr(), query.stride(0), query.stride(1), keys.data_ptr(), values.data_ptr(),
             slots.data_ptr(), slots.shape[0], q_len, kv_heads, heads // kv_heads, dim, keys.shape[0], scale,
-            out.data_ptr(),
+            None if layer is None else ctypes.byref(layer), out.data_ptr(),
         )  # fmt: skip
         if status:
             raise NativeKernelError(
-                f"{q_len} queries over {slots.shape[0]} tokens of head size {dim}, {heads} heads over "
-                f"{kv_heads}: a slot out of range (of {keys.shape[0]}), or a shape the tiles cannot take"
+                f"{q_len} queries over {slots.shape[0]} tokens (and any quantised blocks) of head size "
+                f"{dim}, {heads} heads over {kv_heads}: a slot out of range (of {keys.shape[0]}) or a "
+                "block, or a shape the tiles cannot take"
             )
         return out
 
@@ -317,7 +333,8 @@ def load(march: str = "native") -> NativeKernel | None:
     library.kv_silu_mul.argtypes = [pointer, pointer, i64, i32, pointer]
     library.kv_prefill_attention.restype = ctypes.c_int
     library.kv_prefill_attention.argtypes = [
-        pointer, i64, i64, pointer, pointer, pointer, i64, i64, i64, i64, i64, i64, ctypes.c_float, pointer,
+        pointer, i64, i64, pointer, pointer, pointer, i64, i64, i64, i64, i64, i64, ctypes.c_float,
+        ctypes.POINTER(ColdLayer), pointer,
     ]  # fmt: skip
     return NativeKernel(
         library, library.kv_native_isa().decode(), library.kv_attention_isa().decode(),
