@@ -22,7 +22,8 @@ Plus `ttft_isolation`: a short request's time to first token alone vs while long
 Each variant runs in a fresh process of its own (`--no-isolate`: all in this one), so none inherits
 another's heap: `generate_batch` alone grows this process past 10 GiB.
 This machine's timings vary by several per cent from run to run, so the runs the headline ratios
-rest on (one-at-a-time `generate` and our engine on the burst, and the TTFT isolation) run in
+rest on (one-at-a-time `generate`, our engine, unpacked and unfused on the burst, and the TTFT
+isolation) run in
 `--repeats` rounds, each round's two runs back to back (in reverse order every other round): the
 ratio is taken within each round and the report gives the median round (and every round in the
 JSON); the table shows each variant's median run. Every other run happens once.
@@ -82,7 +83,8 @@ def _median(values: list[float]) -> float:
 VARIANTS = ("hf_generate_1", "hf_generate_static4", "hf_generate_batch", *ENGINE_VARIANTS)
 BURST_ONLY = ("hf_generate_static4", "hf_generate_batch")  # they cannot take a stream
 # Repeated: the ratios rest on them (the unpacked variant's against engine_dynamic).
-HEADLINE = (("hf_generate_1", "burst"), ("engine_dynamic", "burst"), ("engine_dynamic_unpacked", "burst"))
+HEADLINE = (("hf_generate_1", "burst"), ("engine_dynamic", "burst"), ("engine_dynamic_unpacked", "burst"),
+            ("engine_dynamic_unfused", "burst"))  # fmt: skip
 
 
 def planned(variants: list[str], scenarios: list[str]) -> list[tuple[str, str]]:
