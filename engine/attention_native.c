@@ -1,4 +1,7 @@
-/* Decode attention over the paged full-precision KV cache, read in place (see engine/kv_native.py).
+/* Decode attention over the paged KV cache, read in place, and prompt-chunk attention by AMX tiles
+ * (see engine/kv_native.py). On a CPU with AMX, bf16 history goes through the tiles (the AMX
+ * section below: decodes, quantised blocks dequantised to bf16 rows first, and prompt chunks);
+ * elsewhere the AVX-512 tiles or the compiler's loops described here.
  *
  * Each decoding sequence has one new query token; its history is a list of cache slots (paged:
  * not contiguous). Torch's path gathers every sequence's keys and values into a padded copy
@@ -569,6 +572,39 @@ static void cold_values(const attention *a, const cold_layer *c, const int64_t *
     }
 }
 
+static void history_row(const attention *a, const cold_layer *c, int64_t cold_len, const int64_t *slots, int64_t h,
+                        int64_t j, float *codes, uint16_t *key, uint16_t *value);
+
+#if ATT_AMX
+/* The pair's `m` quantised blocks by tiles: dequantised to bf16 rows in `rows` (as torch's reader
+ * does; keys [m * block][dim], then values), then scored into scores[g][0 .. m * block) and, with
+ * `probs`, weighed into acc, as full-precision tokens are. */
+static void amx_cold(const attention *a, const cold_layer *c, const int64_t *blocks, int64_t m, int64_t kv,
+                     int64_t first, int64_t n, float *scores, const float *probs, float *acc, uint8_t *space,
+                     uint16_t *rows) {
+    int64_t dim = a->dim, count = m * c->block, starts[2] = {0, m};
+    uint16_t *keys = rows, *values = rows + count * dim;
+    int64_t *order = (int64_t *)(values + count * dim);
+    float *codes = (float *)(order + count);
+    attention b = *a;
+    b.keys = keys, b.values = values, b.kv_heads = 1; /* the rows as a cache of one KV head */
+    if (probs == NULL) {
+        cold_layer own = *c;
+        own.blocks = blocks, own.starts = starts;
+        for (int64_t j = 0; j < count; j++) {
+            history_row(a, &own, count, NULL, kv, j, codes, keys + j * dim, values + j * dim);
+            order[j] = j;
+        }
+        amx_scores(&b, first, 0, order, count, n, scores, space);
+    } else {
+        amx_values(&b, 0, order, count, n, probs, acc, space);
+    }
+}
+
+/* Bytes of rows amx_cold needs for `count` quantised tokens. */
+static int64_t cold_row_bytes(int64_t count, int64_t dim) { return count * (2 * dim * 2 + 8) + dim * 4 + 64; }
+#endif
+
 /* One (sequence, KV head) pair: its `groups` query heads over its history, the `m` quantised
  * blocks at `blocks` (none without `c`) and then the `hot` full-precision tokens at `slots`. */
 static void attend_pair(const attention *a, const cold_layer *c, int64_t seq, int64_t kv, const int64_t *blocks,
@@ -587,9 +623,12 @@ static void attend_pair(const attention *a, const cold_layer *c, int64_t seq, in
     int bf16_keys = ATT_AVX512 && !a->fp32 && dim % 32 == 0; /* scored where they lie, dpbf16 */
     int tiles = space != NULL && !a->fp32 && dim % 64 == 0 && groups <= 16; /* bf16 keys and values by AMX */
     const float *rows[TILE];
-    if (cold)
+    uint8_t *cold_rows = tiles ? space + tile_bytes(dim) : NULL; /* past the tiles' own work space */
+    if (cold && !tiles)
         cold_scores(a, c, blocks, m, kv, first, n, scores, q, qs, params, tile);
 #if ATT_AMX
+    if (cold && tiles)
+        amx_cold(a, c, blocks, m, kv, first, n, scores, NULL, NULL, space, (uint16_t *)cold_rows);
     if (tiles)
         amx_scores(a, first, kv, slots, hot, n, scores + cold, space);
 #endif
@@ -614,9 +653,11 @@ static void attend_pair(const attention *a, const cold_layer *c, int64_t seq, in
         softmax(scores + g * n, n);
     memset(acc, 0, (size_t)(groups * dim) * sizeof(float));
     memset(offsets, 0, (size_t)groups * sizeof(float));
-    if (cold)
+    if (cold && !tiles)
         cold_values(a, c, blocks, m, kv, n, scores, acc, offsets, params, tile, w);
 #if ATT_AMX
+    if (cold && tiles)
+        amx_cold(a, c, blocks, m, kv, first, n, NULL, scores, acc, space, (uint16_t *)cold_rows);
     if (tiles)
         amx_values(a, kv, slots, hot, n, scores + cold, acc, space);
 #endif
@@ -701,7 +742,13 @@ int kv_decode_attention(const void *query, const void *keys, const void *values,
         uint8_t *space = NULL;
 #if ATT_AMX
         if (tiles) {
-            space = aligned_alloc(64, (size_t)tile_bytes(dim));
+            int64_t cold_tokens = 0; /* the most quantised tokens of any sequence */
+            for (int64_t i = 0; cold != NULL && i < seqs; i++) {
+                int64_t count = (cold->starts[i + 1] - cold->starts[i]) * cold->block;
+                cold_tokens = count > cold_tokens ? count : cold_tokens;
+            }
+            int64_t bytes = tile_bytes(dim) + (cold != NULL ? cold_row_bytes(cold_tokens, dim) : 0);
+            space = aligned_alloc(64, (size_t)(bytes + 63) / 64 * 64);
             tiles_begin();
         }
 #endif

@@ -84,9 +84,9 @@ class NativeKernel:
         return self.layers_isa == "avx512-bf16"
 
     def decode_isa(self, dtype: torch.dtype, head_dim: int) -> str:
-        """What decode attention over full-precision history computes with in `dtype`: "amx-bf16"
-        (tiles: bf16, head size a multiple of 64, and at most 16 query heads a KV head, as every
-        supported model has), else `attention_isa`."""
+        """What decode attention (over full-precision and quantised history) computes with in
+        `dtype`: "amx-bf16" (tiles: bf16, head size a multiple of 64, and at most 16 query heads a
+        KV head, as every supported model has), else `attention_isa`."""
         tiled = self.tiles and dtype == torch.bfloat16 and head_dim % 64 == 0
         return "amx-bf16" if tiled else self.attention_isa
 
@@ -143,9 +143,10 @@ class NativeKernel:
         history begins with the store's blocks[block_starts[i]:block_starts[i + 1]], read where they
         lie (`kv_quant`'s format, never dequantised into a copy).
 
-        With `tiles`, bf16 full-precision history is scored and weighed by AMX tiles (the
-        probabilities weighed as bf16, as torch's gathered path does);
-        `dataclasses.replace(kernel, tiles=False)` keeps the AVX-512 path."""
+        With `tiles`, bf16 history is scored and weighed by AMX tiles (quantised blocks first
+        dequantised to bf16 rows, as `dequantize` reads them; the probabilities weighed as bf16,
+        as torch's gathered path does); `dataclasses.replace(kernel, tiles=False)` keeps the
+        AVX-512 path."""
         seqs, heads, dim = query.shape
         kv_heads = keys.shape[1]
         parts = (query, keys, values, slots, starts, *(cold[0] + cold[2:] if cold else ()))
