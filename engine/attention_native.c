@@ -572,36 +572,31 @@ static void cold_values(const attention *a, const cold_layer *c, const int64_t *
     }
 }
 
+#if ATT_AMX
 static void history_row(const attention *a, const cold_layer *c, int64_t cold_len, const int64_t *slots, int64_t h,
                         int64_t j, float *codes, uint16_t *key, uint16_t *value);
 
-#if ATT_AMX
-/* The pair's `m` quantised blocks by tiles: dequantised to bf16 rows in `rows` (as torch's reader
- * does; keys [m * block][dim], then values), then scored into scores[g][0 .. m * block) and, with
- * `probs`, weighed into acc, as full-precision tokens are. */
-static void amx_cold(const attention *a, const cold_layer *c, const int64_t *blocks, int64_t m, int64_t kv,
-                     int64_t first, int64_t n, float *scores, const float *probs, float *acc, uint8_t *space,
-                     uint16_t *rows) {
+/* The pair's `m` quantised blocks dequantised to bf16 rows in `rows` (as torch's reader does):
+ * keys [m * block][dim], values likewise, then `order` (0, 1, ...). Returned as a cache of one KV
+ * head whose slots are `order`, for amx_scores and amx_values to read as full-precision tokens. */
+static attention amx_cold_rows(const attention *a, const cold_layer *c, const int64_t *blocks, int64_t m,
+                               int64_t kv, uint16_t *rows, int64_t **order) {
     int64_t dim = a->dim, count = m * c->block, starts[2] = {0, m};
     uint16_t *keys = rows, *values = rows + count * dim;
-    int64_t *order = (int64_t *)(values + count * dim);
-    float *codes = (float *)(order + count);
-    attention b = *a;
-    b.keys = keys, b.values = values, b.kv_heads = 1; /* the rows as a cache of one KV head */
-    if (probs == NULL) {
-        cold_layer own = *c;
-        own.blocks = blocks, own.starts = starts;
-        for (int64_t j = 0; j < count; j++) {
-            history_row(a, &own, count, NULL, kv, j, codes, keys + j * dim, values + j * dim);
-            order[j] = j;
-        }
-        amx_scores(&b, first, 0, order, count, n, scores, space);
-    } else {
-        amx_values(&b, 0, order, count, n, probs, acc, space);
+    *order = (int64_t *)(values + count * dim);
+    float *codes = (float *)(*order + count);
+    cold_layer own = *c;
+    own.blocks = blocks, own.starts = starts;
+    for (int64_t j = 0; j < count; j++) {
+        history_row(a, &own, count, NULL, kv, j, codes, keys + j * dim, values + j * dim);
+        (*order)[j] = j;
     }
+    attention b = *a;
+    b.keys = keys, b.values = values, b.kv_heads = 1;
+    return b;
 }
 
-/* Bytes of rows amx_cold needs for `count` quantised tokens. */
+/* Bytes of rows amx_cold_rows needs for `count` quantised tokens. */
 static int64_t cold_row_bytes(int64_t count, int64_t dim) { return count * (2 * dim * 2 + 8) + dim * 4 + 64; }
 #endif
 
@@ -623,12 +618,15 @@ static void attend_pair(const attention *a, const cold_layer *c, int64_t seq, in
     int bf16_keys = ATT_AVX512 && !a->fp32 && dim % 32 == 0; /* scored where they lie, dpbf16 */
     int tiles = space != NULL && !a->fp32 && dim % 64 == 0 && groups <= 16; /* bf16 keys and values by AMX */
     const float *rows[TILE];
-    uint8_t *cold_rows = tiles ? space + tile_bytes(dim) : NULL; /* past the tiles' own work space */
     if (cold && !tiles)
         cold_scores(a, c, blocks, m, kv, first, n, scores, q, qs, params, tile);
 #if ATT_AMX
-    if (cold && tiles)
-        amx_cold(a, c, blocks, m, kv, first, n, scores, NULL, NULL, space, (uint16_t *)cold_rows);
+    attention dequantised = *a; /* with tiles, the quantised blocks as bf16 rows past the tiles' space */
+    int64_t *order = NULL;
+    if (cold && tiles) {
+        dequantised = amx_cold_rows(a, c, blocks, m, kv, (uint16_t *)(space + tile_bytes(dim)), &order);
+        amx_scores(&dequantised, first, 0, order, cold, n, scores, space);
+    }
     if (tiles)
         amx_scores(a, first, kv, slots, hot, n, scores + cold, space);
 #endif
@@ -657,7 +655,7 @@ static void attend_pair(const attention *a, const cold_layer *c, int64_t seq, in
         cold_values(a, c, blocks, m, kv, n, scores, acc, offsets, params, tile, w);
 #if ATT_AMX
     if (cold && tiles)
-        amx_cold(a, c, blocks, m, kv, first, n, NULL, scores, acc, space, (uint16_t *)cold_rows);
+        amx_values(&dequantised, 0, order, cold, n, scores, acc, space);
     if (tiles)
         amx_values(a, kv, slots, hot, n, scores + cold, acc, space);
 #endif
@@ -682,8 +680,6 @@ static void attend_pair(const attention *a, const cold_layer *c, int64_t seq, in
     }
 }
 
-/* The instruction set the scores and sums are computed with: "avx512-bf16" (the tiles above), else
- * the portable loops as the compiler vectorised them for the build's target: "avx2" or "generic". */
 /* 1 when this build computes bf16 attention with AMX tiles and Linux grants this process their
  * state; then kv_decode_attention takes `tiles`. */
 int kv_attention_tiles(void) {
@@ -694,6 +690,8 @@ int kv_attention_tiles(void) {
 #endif
 }
 
+/* The instruction set the scores and sums are computed with: "avx512-bf16" (the tiles above), else
+ * the portable loops as the compiler vectorised them for the build's target: "avx2" or "generic". */
 const char *kv_attention_isa(void) {
 #if defined(__AVX2__) && defined(__FMA__)
     return ATT_AVX512 ? "avx512-bf16" : "avx2";
@@ -771,6 +769,7 @@ int kv_decode_attention(const void *query, const void *keys, const void *values,
     return failed ? -1 : 0;
 }
 
+#if ATT_AMX
 /* Token j of KV head h of a chunk's history, into key[0 .. dim) and value[0 .. dim) as bf16: the
  * quantised blocks first (dequantised as kv_native.c's reader does: centred code * scale + offset
  * in float32, rounded once), then the full-precision slots. `codes` is dim floats of work space. */
@@ -792,6 +791,7 @@ static void history_row(const attention *a, const cold_layer *c, int64_t cold_le
     for (int64_t d = 0; d < dim; d++)
         value[d] = f32_to_bf16(codes[d] * scale + offset);
 }
+#endif
 
 /* out (q_len, kv_heads * groups, dim) = attention of a prompt chunk's q_len bf16 queries (query
  * head h's token i at query + h * head_stride + i * token_stride elements) to its sequence's
