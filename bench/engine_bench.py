@@ -15,6 +15,8 @@ threads, greedy):
      reordering the bf16 weights once for oneDNN is worth (no difference in fp32)
   9. engine_dynamic_unfused  (5) with FUSE_LAYERS=false (only when named in --variants): what
      RMSNorm and SiLU * up by the native kernels are worth (`engine.fused`)
+ 10. engine_dynamic_deferred  (5) with DECODE_DEFER_STEPS=16 (only when named in --variants): decodes
+     give way to waiting prompts for up to 16 steps in a row, so a burst's prompts are read first
 Scenarios: `burst` (every request arrives at t=0) and `stream` (open-loop Poisson arrivals; the
 one-at-a-time generate serves them in arrival order; static batches and `generate_batch` cannot
 take a stream and run the burst only).
@@ -53,6 +55,7 @@ from rich.table import Table
 
 from bench import common
 from bench.engine_variants import (
+    DEFERRED_VARIANTS,
     ENGINE_VARIANTS,
     UNFUSED_VARIANTS,
     UNPACKED_VARIANTS,
@@ -84,7 +87,7 @@ VARIANTS = ("hf_generate_1", "hf_generate_static4", "hf_generate_batch", *ENGINE
 BURST_ONLY = ("hf_generate_static4", "hf_generate_batch")  # they cannot take a stream
 # Repeated: the ratios rest on them (the unpacked variant's against engine_dynamic).
 HEADLINE = (("hf_generate_1", "burst"), ("engine_dynamic", "burst"), ("engine_dynamic_unpacked", "burst"),
-            ("engine_dynamic_unfused", "burst"))  # fmt: skip
+            ("engine_dynamic_unfused", "burst"), ("engine_dynamic_deferred", "burst"))  # fmt: skip
 
 
 def planned(variants: list[str], scenarios: list[str]) -> list[tuple[str, str]]:
@@ -122,7 +125,8 @@ def in_child(args: Any, variants: str, scenarios: str, isolation: bool) -> dict[
         options = ["--dtype", args.dtype, "--docs", str(args.docs),
                    "--new-tokens", str(args.new_tokens), "--max-batch", str(args.max_batch),
                    "--step-tokens", str(args.step_tokens), "--rate", str(args.rate),
-                   "--kv-cache-mib", str(args.kv_cache_mib), "--kv-kernel", args.kv_kernel]  # fmt: skip
+                   "--kv-cache-mib", str(args.kv_cache_mib), "--kv-kernel", args.kv_kernel,
+                   "--decode-defer", str(args.decode_defer)]  # fmt: skip
         options += ["--prompt-ids", str(args.prompt_ids)] if args.prompt_ids else []
         if args.random_shape:
             options += ["--random-shape", args.random_shape, "--tokenizer", str(args.tokenizer)]
@@ -166,6 +170,10 @@ def main() -> None:
     parser.add_argument(
         "--kv-kernel", choices=get_args(KVKernel), default="auto",
         help="the engine's KV_KERNEL: torch gathers decodes' history instead of reading it in place",
+    )  # fmt: skip
+    parser.add_argument(
+        "--decode-defer", type=int, default=EngineConfig.model_fields["decode_defer_steps"].default,
+        help="the engine's DECODE_DEFER_STEPS (engine_dynamic_deferred: its own, 16)",
     )  # fmt: skip
     parser.add_argument(
         "--prompt-ids", type=Path,
@@ -243,7 +251,7 @@ def main() -> None:
             model = plain["unfused"]
         return engine_run(
             model, prompts, n, at[scenario], dynamic, args.max_batch, args.step_tokens, prefix, pool, bits,
-            kv_kernel=args.kv_kernel,
+            kv_kernel=args.kv_kernel, decode_defer_steps=DEFERRED_VARIANTS.get(variant, args.decode_defer),
         )  # fmt: skip
 
     cuda = loaded.device.type == "cuda"

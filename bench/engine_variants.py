@@ -205,13 +205,14 @@ def engine_run(
     kv_bits: int = 16,
     kv_kernel: KVKernel = "auto",
     kv_int8_layers: tuple[int, ...] = (),
+    decode_defer_steps: int = 0,
 ) -> Run:
     async def go() -> Run:
         config = EngineConfig(
             model_path=Path("bench"), dynamic_batching=dynamic, max_batch_size=max_batch,
             kv_cache_bytes=kv_cache_bytes, max_tokens_per_step=budget, prefix_caching=prefix_caching,
             kv_compression=kv_bits < 16, kv_quant_bits=kv_bits, kv_kernel=kv_kernel,
-            kv_int8_layers=kv_int8_layers,
+            kv_int8_layers=kv_int8_layers, decode_defer_steps=decode_defer_steps,
         )  # fmt: skip
         engine = Engine(config, loaded)
         params = SamplingParams(max_new_tokens=n, ignore_eos=True)
@@ -291,8 +292,11 @@ def ttft_isolation(
 ENGINE_VARIANTS = {"engine_static": (False, True, 16), "engine_dynamic": (True, True, 16),
                    "engine_dynamic_noprefix": (True, False, 16), "engine_dynamic_int8": (True, True, 8),
                    "engine_dynamic_int4": (True, True, 4), "engine_dynamic_unpacked": (True, True, 16),
-                   "engine_dynamic_unfused": (True, True, 16)}  # fmt: skip
+                   "engine_dynamic_unfused": (True, True, 16), "engine_dynamic_deferred": (True, True, 16)}  # fmt: skip
 # Variants whose model keeps `nn.Linear` (PREPACK_WEIGHTS=false): what prepacking is worth.
 UNPACKED_VARIANTS = frozenset({"engine_dynamic_unpacked"})
 # Variants whose model keeps transformers' RMSNorm and MLP (FUSE_LAYERS=false): what fusing is worth.
 UNFUSED_VARIANTS = frozenset({"engine_dynamic_unfused"})
+# Variants whose decodes give way to waiting prompts for up to this many steps in a row
+# (DECODE_DEFER_STEPS): a burst's prompts read before its decodes, as vLLM's large steps do.
+DEFERRED_VARIANTS = {"engine_dynamic_deferred": 16}

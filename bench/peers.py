@@ -12,7 +12,9 @@ client sees it. Every round runs every system, the order rotating; ratios are ta
 round (this machine's speed drifts over minutes) and the median round is reported. `ours@N` is our
 engine with N tokens per step (`MAX_TOKENS_PER_STEP`) instead of its default, and `ours:torch`
 our engine with decodes' history gathered by torch (`KV_KERNEL=torch`) instead of read in place
-by the native kernel, each run as a system of its own in the same rounds (`ours@512:torch` both).
+by the native kernel, and `ours~N` our engine whose decodes give way to waiting prompts for up to N
+steps in a row (`DECODE_DEFER_STEPS`), each run as a system of its own in the same rounds
+(`ours@512~16:torch` all three).
 
     python -m bench.peers --rounds 3 --out bench/results/peers-cpu.json
 """
@@ -45,8 +47,9 @@ from engine.loader import cpu_has_bf16
 
 PEERS = Path(__file__).resolve().parents[1] / ".peers"
 SYSTEMS = ("ours", "vllm", "llama")
-# our engine with that many tokens per step, and/or that KV_KERNEL (`ours:torch`: decodes gathered)
-OURS = re.compile(r"ours(?:@(\d+))?(?::(auto|torch|avx512|avx2|portable))?")
+# our engine with that many tokens per step, decodes deferred that many steps, and/or that KV_KERNEL
+# (`ours:torch`: decodes gathered)
+OURS = re.compile(r"ours(?:@(\d+))?(?:~(\d+))?(?::(auto|torch|avx512|avx2|portable))?")
 
 
 def ours_step(system: str) -> str | None:
@@ -57,6 +60,12 @@ def ours_step(system: str) -> str | None:
 
 def ours_kernel(system: str) -> str | None:
     """The KV_KERNEL `ours:K` names (None for any other system)."""
+    match = OURS.fullmatch(system)
+    return match.group(3) if match else None
+
+
+def ours_defer(system: str) -> str | None:
+    """The DECODE_DEFER_STEPS `ours~N` names (None for any other system)."""
     match = OURS.fullmatch(system)
     return match.group(2) if match else None
 
@@ -261,8 +270,8 @@ def peer_round(server: Server, prompts: list[list[int]], args: Any, round_: int,
 
 def ours_round(args: Any, round_: int, system: str = "ours") -> list[Result]:
     """Our engine in a fresh process, each scenario in turn (`bench.engine_bench --part`); `ours@N`
-    with N tokens per step, `ours:K` with KV_KERNEL=K."""
-    step, kernel = ours_step(system), ours_kernel(system)
+    with N tokens per step, `ours~N` with DECODE_DEFER_STEPS=N, `ours:K` with KV_KERNEL=K."""
+    step, kernel, defer = ours_step(system), ours_kernel(system), ours_defer(system)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "part.json"
         subprocess.run(
@@ -270,7 +279,8 @@ def ours_round(args: Any, round_: int, system: str = "ours") -> list[Result]:
              "--scenarios", args.scenarios, "--no-ttft-isolation", "--repeats", "1", "--docs", str(args.docs),
              "--new-tokens", str(args.new_tokens), "--max-batch", str(args.max_batch), "--rate", str(args.rate),
              "--kv-cache-mib", "1024", "--warm-up", "--model", str(args.model), "--out", str(out),
-             *(["--step-tokens", step] if step else []), *(["--kv-kernel", kernel] if kernel else [])],
+             *(["--step-tokens", step] if step else []), *(["--kv-kernel", kernel] if kernel else []),
+             *(["--decode-defer", defer] if defer else [])],
             check=True, cwd=Path(__file__).resolve().parents[1],
         )  # fmt: skip
         runs = json.loads(out.read_text())["runs"]
@@ -305,7 +315,7 @@ def main() -> None:
     systems = args.systems.split(",")
     if unknown := {s for s in systems if s not in SYSTEMS and not is_ours(s)}:
         parser.error(
-            f"unknown systems {sorted(unknown)}; known: {', '.join(SYSTEMS)}, ours@N, ours:K, ours@N:K"
+            f"unknown systems {sorted(unknown)}; known: {', '.join(SYSTEMS)}, ours@N, ours~N, ours:K, ours@N~N:K"
         )
     from transformers import AutoTokenizer
 
@@ -336,6 +346,7 @@ def main() -> None:
     summary = report(results, systems, args, console)
     describe = {s: f"our engine (dynamic batching, max batch {args.max_batch}, 1 GiB KV, dtype auto"
                    f"{f', {ours_step(s)} tokens per step' if ours_step(s) else ''}"
+                   f"{f', DECODE_DEFER_STEPS={ours_defer(s)}' if ours_defer(s) else ''}"
                    f"{f', KV_KERNEL={ours_kernel(s)}' if ours_kernel(s) else ''})"
                 for s in systems if is_ours(s)} | {k: s.describe for k, s in servers.items()}  # fmt: skip
     if "llama" in servers:

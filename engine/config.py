@@ -53,6 +53,12 @@ class EngineOptions(BaseModel):
         "the kernels' paths for an older CPU (to measure them on a newer one).",
     )
     max_tokens_per_step: int = Field(default=192, ge=1, description="Prefill chunks + decodes per forward.")
+    decode_defer_steps: int = Field(
+        default=0,
+        ge=0,
+        description="Steps in a row that running decodes give way to prompts waiting to be read (a "
+        "burst's prompts read first, as vLLM's large steps do); 0: decodes first in every step.",
+    )
     max_model_len: int = Field(
         default=8192,
         ge=16,

@@ -104,6 +104,7 @@ class Engine:
                 max_tokens_per_step=max(config.max_tokens_per_step, config.effective_batch_size),
                 prune_window=compression.prune_window,
                 together_s=config.dynamic_batch_window_ms / 1000 if config.dynamic_batching else 0.0,
+                decode_defer_steps=config.decode_defer_steps,
             ),
             self.blocks,
         )

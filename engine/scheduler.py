@@ -11,6 +11,14 @@ Policy, in order, within a per-step token budget:
    the step in flight and a short step, not for another full step of someone else's prompt.
    Requests that arrived together (a burst) are batched as usual. A prompt gives way at most
    every other step, so a stream of short newcomers cannot starve it.
+3. with `decode_defer_steps` N > 0, decodes give way to prompts: while a prompt waits to be read
+   (a running sequence mid-prompt, or a waiting one that admission would take), a step carries
+   prompt chunks only, for at most N steps in a row; then one step decodes everyone (1. and 2.).
+   A burst's prompts are then read before its decodes start, as vLLM does with its large steps:
+   a decode riding in a prompt step pays for the output head and a row of every product that the
+   decode-only steps at the end of a burst run almost free. Never when the free blocks could not
+   then also hold every decode's next token (the deferral must not cause a preemption), and
+   never into an empty step.
 When the block pool cannot hold a decode, the youngest running sequence is preempted: its blocks
 are freed and it goes back to the front of the queue to be recomputed later, once all of it fits
 the free blocks (its generated tokens are kept, so its output does not change; a pruned sequence
@@ -35,6 +43,7 @@ class SchedulerConfig:
     max_tokens_per_step: int
     prune_window: int = 0  # with KV pruning: the observation window every final prompt chunk holds
     together_s: float = 0.0  # requests arriving within this of each other form one batch (the window)
+    decode_defer_steps: int = 0  # steps in a row that decodes may give way to prompts (3. above)
 
     def __post_init__(self) -> None:
         if self.max_running < 1 or self.max_tokens_per_step < self.max_running:
@@ -61,6 +70,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order: the last is the youngest
         self.num_preemptions = 0
         self._num_plans = 0
+        self._decodes_deferred = 0  # steps in a row whose decodes gave way to prompts
 
     @property
     def has_work(self) -> bool:
@@ -94,7 +104,31 @@ class Scheduler:
             self._preempt(self.running[-1])
 
     def _plan(self, admit: bool) -> list[Chunk]:
+        self._num_plans += 1
+        if self._decodes_deferred < self.config.decode_defer_steps and self._may_defer_decodes(admit):
+            plan = self._plan_prompts(admit, self.config.max_tokens_per_step, [])
+            if plan:
+                self._decodes_deferred += 1
+                return plan
+        self._decodes_deferred = 0
+        plan = self._plan_decodes()
+        return self._plan_prompts(admit, self.config.max_tokens_per_step - len(plan), plan)
+
+    def _may_defer_decodes(self, admit: bool) -> bool:
+        """Whether a prompt waits to be read beside running decodes, and the pool would still hold
+        every decode's next token after a full step of prompt chunks (each chunk may start a block
+        of its own: at most `max_running` more than the budget's)."""
+        decoding = sum(1 for s in self.running if s.is_decoding)
+        if not decoding:
+            return False
+        reading = any(not s.is_decoding for s in self.running) or (
+            admit and bool(self.waiting) and len(self.running) < self.config.max_running
+        )
         budget = self.config.max_tokens_per_step
+        needed = self.blocks.blocks_for(budget) + self.config.max_running + decoding
+        return reading and self.blocks.num_free >= needed
+
+    def _plan_decodes(self) -> list[Chunk]:
         plan: list[Chunk] = []
         for seq in list(self.running):
             if seq.status is not Status.RUNNING or not seq.is_decoding:
@@ -105,7 +139,9 @@ class Scheduler:
                     break
             if seq.status is Status.RUNNING:
                 plan.append(self._take(seq, 1))
-                budget -= 1
+        return plan
+
+    def _plan_prompts(self, admit: bool, budget: int, plan: list[Chunk]) -> list[Chunk]:
         # Prefill: running prompts and (when admission is open) waiting ones share what is left,
         # shortest remaining prompt first (then oldest). Similar lengths prefill together, and a
         # short newcomer is not queued behind a 2,000-character document.
@@ -113,7 +149,6 @@ class Scheduler:
         candidates = [s for s in self.running if id(s) not in planned and not s.is_decoding]
         if admit:
             candidates += list(self.waiting)
-        self._num_plans += 1
         candidates.sort(key=lambda s: (s.num_preemptions == 0, self._to_compute(s), s.request.arrived_at))
         # A request that arrived after other prompts gets its first token in a short step: their
         # chunks wait (requests that arrived together, within the window, are batched as usual).

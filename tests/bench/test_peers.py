@@ -11,7 +11,7 @@ import httpx
 import pytest
 from rich.console import Console
 
-from bench.peers import Result, Server, _one, is_ours, ours_kernel, ours_step, report
+from bench.peers import Result, Server, _one, is_ours, ours_defer, ours_kernel, ours_step, report
 
 
 def _sse(chunks: list[dict[str, object]], done: bool) -> bytes:
@@ -81,3 +81,6 @@ def test_our_engine_at_another_step_size_is_compared_with_each_peer_and_with_the
     assert is_ours("ours:torch") and is_ours("ours@512:torch") and not is_ours("ours:cuda")
     assert (ours_step("ours@512:torch"), ours_kernel("ours@512:torch")) == ("512", "torch")
     assert (ours_step("ours:torch"), ours_kernel("ours")) == (None, None)
+    assert (ours_step("ours@512~16:torch"), ours_defer("ours@512~16:torch")) == ("512", "16")
+    assert ours_kernel("ours@512~16:torch") == "torch" and ours_defer("ours@512:torch") is None
+    assert is_ours("ours~16") and not is_ours("ours~") and not is_ours("ours:torch~16")

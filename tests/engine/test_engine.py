@@ -56,14 +56,16 @@ def generate_alone(tiny: LoadedModel, ids: list[int], n: int) -> list[int]:
     return tokens[: tokens.index(eos)] if eos in tokens else tokens
 
 
+@pytest.mark.parametrize("defer", [0, 3])
 async def test_requests_joining_at_different_steps_with_chunked_prefill_match_alone(
-    tiny: LoadedModel,
+    tiny: LoadedModel, defer: int
 ) -> None:
     # A budget of 8 tokens a step forces every prompt (20-50 tokens) through several chunks,
-    # interleaved with the decodes of the requests already running.
+    # interleaved with the decodes of the requests already running (or, deferred, between them).
     engine = make_engine(
-        tiny, dynamic_batching=True, max_batch_size=3, dynamic_batch_window_ms=30, max_tokens_per_step=8
-    )
+        tiny, dynamic_batching=True, max_batch_size=3, dynamic_batch_window_ms=30, max_tokens_per_step=8,
+        decode_defer_steps=defer,
+    )  # fmt: skip
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
     async with engine:
         ids = [engine.format_chat([{"role": "user", "content": p}]) for p in PROMPTS]

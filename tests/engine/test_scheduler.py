@@ -13,7 +13,7 @@ from engine.block_manager import BlockManager
 from engine.config import SamplingParams
 from engine.kv_policy import CompressionConfig, Compressor, select_kept
 from engine.request import Request
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import Chunk, Scheduler, SchedulerConfig
 from engine.sequence import Sequence, Status
 
 
@@ -99,7 +99,10 @@ def test_random_load_with_cancellations_pool_exhaustion_and_shared_prefixes(
         num_blocks, block_size = (16 if cold else 40), 8
         blocks = BlockManager(num_blocks, block_size, num_cold_blocks=cold)
         settled = settled_shared = 0
-        config = SchedulerConfig(max_running=rng.choice([1, 4, 8]), max_tokens_per_step=rng.choice([16, 64]))
+        config = SchedulerConfig(
+            max_running=rng.choice([1, 4, 8]), max_tokens_per_step=rng.choice([16, 64]),
+            decode_defer_steps=seed % 2 * 4,  # decodes giving way to prompts keep every invariant too
+        )  # fmt: skip
         scheduler = Scheduler(config, blocks)
         compression = CompressionConfig(
             quantising=True, residual_tokens=window, sink_tokens=sinks * block_size
@@ -243,6 +246,58 @@ def test_decodes_run_before_prefill_chunks() -> None:
             for c in plan:
                 c.seq.num_computed += c.num_tokens
             short.token_ids.append(5)
+    finally:
+        loop.close()
+
+
+def run_plan(plan: list[Chunk]) -> None:
+    """What the runner does with a plan, without a model: tokens computed, a sample appended."""
+    for c in plan:
+        c.seq.num_computed += c.num_tokens
+        if c.samples:
+            c.seq.token_ids.append(5)
+
+
+def test_deferred_decodes_give_way_to_waiting_prompts_at_most_n_steps_in_a_row() -> None:
+    """With `decode_defer_steps` 3, a running decode waits while a long prompt is read: three
+    steps of prompt only, then one step that decodes first, and so on; once no prompt waits,
+    decodes run every step."""
+    loop = asyncio.new_event_loop()
+    try:
+        config = SchedulerConfig(max_running=4, max_tokens_per_step=10, decode_defer_steps=3)
+        scheduler = Scheduler(config, BlockManager(64, 16))
+        short = make_sequence(1, 3, 50, loop)
+        scheduler.add(short)
+        run_plan(scheduler.schedule(admit=True))  # its prompt and first token: now decoding
+        long = make_sequence(2, 78, 5, loop)  # 3 x 10 + 9 + 3 x 10 + 9 tokens
+        scheduler.add(long)
+        shapes = []
+        for _ in range(10):
+            plan = scheduler.schedule(admit=True)
+            shapes.append([(c.seq.seq_id, c.num_tokens) for c in plan])
+            run_plan(plan)
+        deferred, decoding = [(2, 10)], [(1, 1), (2, 9)]
+        assert shapes[:8] == [deferred] * 3 + [decoding] + [deferred] * 3 + [decoding]
+        assert shapes[8] == shapes[9] == [(1, 1), (2, 1)], "no prompt waits: everyone decodes"
+    finally:
+        loop.close()
+
+
+def test_decodes_are_not_deferred_into_a_preemption_or_an_empty_step() -> None:
+    """Deferral needs room: with too few free blocks for a full step of prompt plus every
+    decode's next token, or no prompt the step could read, decodes run first as without it."""
+    loop = asyncio.new_event_loop()
+    try:
+        for blocks, running, expected in ((4, 4, [(1, 1), (2, 9)]), (64, 1, [(1, 1)])):
+            config = SchedulerConfig(max_running=running, max_tokens_per_step=10, decode_defer_steps=8)
+            scheduler = Scheduler(config, BlockManager(blocks, 16))
+            short = make_sequence(1, 3, 50, loop)
+            scheduler.add(short)
+            run_plan(scheduler.schedule(admit=True))
+            scheduler.add(make_sequence(2, 40, 5, loop))  # waits: admission full when running == 1
+            plan = scheduler.schedule(admit=True)
+            assert [(c.seq.seq_id, c.num_tokens) for c in plan] == expected
+            assert scheduler.num_preemptions == 0
     finally:
         loop.close()
 
