@@ -1,6 +1,6 @@
 """Where a burst's steps spend their time, without a profiler: the peers workload (the first
 `--docs` corpus prompts, `--new-tokens` each with EOS ignored, all at t=0, our engine with its
-defaults but for `--kv-kernel`) run once unmeasured and once timed, every engine step classed as a
+defaults but for `--kv-kernel` and `--decode-defer`) run once unmeasured and once timed, every engine step classed as a
 prompt step (it carries prompt chunks) or a decode step, and within those steps the wall time of
 the model's parts summed: the weights' products (`PackedLinear`), the native attention kernels
 (prompt chunks, decodes), the MLP and attention modules (products included), RMSNorm, rotary
@@ -10,6 +10,7 @@ process only; a wrapped call costs ~1 us against the 0.05-5 ms calls it times. `
 operators; this sees the engine's parts at their own speed.
 
     python -m bench.engine_steps --out bench/results/engine-steps-cpu-amx.json
+    python -m bench.engine_steps --decode-defer 16 --out bench/results/engine-steps-deferred-cpu-amx.json
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=32)
     parser.add_argument("--step-tokens", type=int, default=192)
     parser.add_argument("--kv-kernel", default="auto")
+    parser.add_argument("--decode-defer", type=int, default=0, help="the engine's DECODE_DEFER_STEPS")
     parser.add_argument("--out", type=Path, default=Path("bench/results/engine-steps.json"))
     args = parser.parse_args()
     console = Console(width=160)
@@ -119,7 +121,8 @@ def main() -> None:
         engine_run(loaded, [WARM_UP_IDS], 8, [0.0], True, args.max_batch, args.step_tokens, True, 1 << 30)
         timers.active = True
         run = engine_run(loaded, prompts, args.new_tokens, [0.0] * len(prompts), True, args.max_batch,
-                         args.step_tokens, True, 1 << 30, kv_kernel=kernel)  # fmt: skip
+                         args.step_tokens, True, 1 << 30, kv_kernel=kernel,
+                         decode_defer_steps=args.decode_defer)  # fmt: skip
     finally:
         for call in undo:
             call()
