@@ -24,8 +24,8 @@ Plus `ttft_isolation`: a short request's time to first token alone vs while long
 Each variant runs in a fresh process of its own (`--no-isolate`: all in this one), so none inherits
 another's heap: `generate_batch` alone grows this process past 10 GiB.
 This machine's timings vary by several per cent from run to run, so the runs the headline ratios
-rest on (one-at-a-time `generate`, our engine, unpacked and unfused on the burst, and the TTFT
-isolation) run in
+rest on (one-at-a-time `generate`, our engine, unpacked, unfused and deferred on the burst, and the
+TTFT isolation) run in
 `--repeats` rounds, each round's two runs back to back (in reverse order every other round): the
 ratio is taken within each round and the report gives the median round (and every round in the
 JSON); the table shows each variant's median run. Every other run happens once.
@@ -55,6 +55,7 @@ from rich.table import Table
 
 from bench import common
 from bench.engine_variants import (
+    DEFERRED_STEPS,
     DEFERRED_VARIANTS,
     ENGINE_VARIANTS,
     UNFUSED_VARIANTS,
@@ -173,7 +174,7 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument(
         "--decode-defer", type=int, default=EngineConfig.model_fields["decode_defer_steps"].default,
-        help="the engine's DECODE_DEFER_STEPS (engine_dynamic_deferred: its own, 16)",
+        help=f"the engine's DECODE_DEFER_STEPS (engine_dynamic_deferred: always {DEFERRED_STEPS})",
     )  # fmt: skip
     parser.add_argument(
         "--prompt-ids", type=Path,
@@ -249,9 +250,10 @@ def main() -> None:
             if "unfused" not in plain:
                 plain["unfused"] = load_model(args.model, dtype=args.dtype, fuse_layers=False)
             model = plain["unfused"]
+        defer = DEFERRED_STEPS if variant in DEFERRED_VARIANTS else args.decode_defer
         return engine_run(
             model, prompts, n, at[scenario], dynamic, args.max_batch, args.step_tokens, prefix, pool, bits,
-            kv_kernel=args.kv_kernel, decode_defer_steps=DEFERRED_VARIANTS.get(variant, args.decode_defer),
+            kv_kernel=args.kv_kernel, decode_defer_steps=defer,
         )  # fmt: skip
 
     cuda = loaded.device.type == "cuda"

@@ -297,6 +297,7 @@ ENGINE_VARIANTS = {"engine_static": (False, True, 16), "engine_dynamic": (True, 
 UNPACKED_VARIANTS = frozenset({"engine_dynamic_unpacked"})
 # Variants whose model keeps transformers' RMSNorm and MLP (FUSE_LAYERS=false): what fusing is worth.
 UNFUSED_VARIANTS = frozenset({"engine_dynamic_unfused"})
-# Variants whose decodes give way to waiting prompts for up to this many steps in a row
+# Variants whose decodes give way to waiting prompts for up to DEFERRED_STEPS steps in a row
 # (DECODE_DEFER_STEPS): a burst's prompts read before its decodes, as vLLM's large steps do.
-DEFERRED_VARIANTS = {"engine_dynamic_deferred": 16}
+DEFERRED_VARIANTS = frozenset({"engine_dynamic_deferred"})
+DEFERRED_STEPS = 16

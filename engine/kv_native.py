@@ -1,15 +1,18 @@
 """The engine's C kernels for reading the KV cache on the CPU, built at start for this CPU.
 
-Two kernels, one library:
+Three C sources, one library:
 - `kv_native.c` reads quantised KV rows in one pass. Torch's eager CPU path reads a (block, KV
   head) row of the quantised store as a gather, a conversion of the codes and a broadcast
   multiply-add, three passes over memory with bf16 arithmetic in between; the kernel gathers,
   converts and applies each row's scale and offset in one pass, and returns what
   `kv_quant.read_rows` returns (to within one bf16 rounding).
-- `attention_native.c` is decode attention over full-precision slots where they lie in the paged
-  pool: torch's path (`attention.decode_attention`) first gathers every sequence's history into
-  a padded copy. Float32 arithmetic; its results agree with torch's to rounding. Its threads are
-  torch's own OpenMP workers (the library links the libgomp torch has loaded).
+- `attention_native.c` is decode attention over the history where it lies in the paged pool
+  (full-precision slots and quantised blocks): torch's path (`attention.decode_attention`) first
+  gathers every sequence's history into a padded copy. Float32 arithmetic; its results agree with
+  torch's to rounding. Its threads are torch's own OpenMP workers (the library links the libgomp
+  torch has loaded). On a CPU with AMX its `attention_amx.h` runs bf16 decodes and prompt chunks
+  by tiles.
+- `layers_native.c` is RMSNorm and SiLU * up in one pass each (`engine.fused`).
 
 The library is compiled when an engine first needs it, with the machine's C compiler (`CC`,
 else `cc`) for this CPU (`-march=native`), into a temporary folder that is removed once the
