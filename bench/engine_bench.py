@@ -17,6 +17,8 @@ threads, greedy):
      RMSNorm and SiLU * up by the native kernels are worth (`engine.fused`)
  10. engine_dynamic_deferred  (5) with DECODE_DEFER_STEPS=16 (only when named in --variants): decodes
      give way to waiting prompts for up to 16 steps in a row, so a burst's prompts are read first
+ 11. engine_dynamic_sdpa  (5) with PROMPT_ATTENTION=torch (only when named in --variants): prompt
+     chunks by SDPA over a gathered copy, what attending them in place by the native kernel is worth
 Scenarios: `burst` (every request arrives at t=0) and `stream` (open-loop Poisson arrivals; the
 one-at-a-time generate serves them in arrival order; static batches and `generate_batch` cannot
 take a stream and run the burst only).
@@ -24,8 +26,8 @@ Plus `ttft_isolation`: a short request's time to first token alone vs while long
 Each variant runs in a fresh process of its own (`--no-isolate`: all in this one), so none inherits
 another's heap: `generate_batch` alone grows this process past 10 GiB.
 This machine's timings vary by several per cent from run to run, so the runs the headline ratios
-rest on (one-at-a-time `generate`, our engine, unpacked, unfused and deferred on the burst, and the
-TTFT isolation) run in
+rest on (one-at-a-time `generate`, our engine, unpacked, unfused, deferred and SDPA prompts on the
+burst, and the TTFT isolation) run in
 `--repeats` rounds, each round's two runs back to back (in reverse order every other round): the
 ratio is taken within each round and the report gives the median round (and every round in the
 JSON); the table shows each variant's median run. Every other run happens once.
@@ -58,6 +60,7 @@ from bench.engine_variants import (
     DEFERRED_STEPS,
     DEFERRED_VARIANTS,
     ENGINE_VARIANTS,
+    SDPA_VARIANTS,
     UNFUSED_VARIANTS,
     UNPACKED_VARIANTS,
     WARM_UP_IDS,
@@ -88,7 +91,8 @@ VARIANTS = ("hf_generate_1", "hf_generate_static4", "hf_generate_batch", *ENGINE
 BURST_ONLY = ("hf_generate_static4", "hf_generate_batch")  # they cannot take a stream
 # Repeated: the ratios rest on them (the unpacked variant's against engine_dynamic).
 HEADLINE = (("hf_generate_1", "burst"), ("engine_dynamic", "burst"), ("engine_dynamic_unpacked", "burst"),
-            ("engine_dynamic_unfused", "burst"), ("engine_dynamic_deferred", "burst"))  # fmt: skip
+            ("engine_dynamic_unfused", "burst"), ("engine_dynamic_deferred", "burst"),
+            ("engine_dynamic_sdpa", "burst"))  # fmt: skip
 
 
 def planned(variants: list[str], scenarios: list[str]) -> list[tuple[str, str]]:
@@ -254,6 +258,7 @@ def main() -> None:
         return engine_run(
             model, prompts, n, at[scenario], dynamic, args.max_batch, args.step_tokens, prefix, pool, bits,
             kv_kernel=args.kv_kernel, decode_defer_steps=defer,
+            prompt_attention="torch" if variant in SDPA_VARIANTS else "auto",
         )  # fmt: skip
 
     cuda = loaded.device.type == "cuda"

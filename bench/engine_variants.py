@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.config import KVKernel
+from engine.config import KVKernel, PromptAttention
 from engine.loader import LoadedModel
 from prompts import render
 from schemas import BUILT_IN_KINDS, DocumentKind, Language
@@ -206,6 +206,7 @@ def engine_run(
     kv_kernel: KVKernel = "auto",
     kv_int8_layers: tuple[int, ...] = (),
     decode_defer_steps: int = 0,
+    prompt_attention: PromptAttention = "auto",
 ) -> Run:
     async def go() -> Run:
         config = EngineConfig(
@@ -213,6 +214,7 @@ def engine_run(
             kv_cache_bytes=kv_cache_bytes, max_tokens_per_step=budget, prefix_caching=prefix_caching,
             kv_compression=kv_bits < 16, kv_quant_bits=kv_bits, kv_kernel=kv_kernel,
             kv_int8_layers=kv_int8_layers, decode_defer_steps=decode_defer_steps,
+            prompt_attention=prompt_attention,
         )  # fmt: skip
         engine = Engine(config, loaded)
         params = SamplingParams(max_new_tokens=n, ignore_eos=True)
@@ -233,7 +235,8 @@ def engine_run(
              "prefix_hit_tokens": stats.prefix_hit_tokens, "prompt_tokens": sum(map(len, prompts)),
              "preemptions": stats.num_preemptions, "kv_bytes_per_token": stats.kv_bytes_per_token,
              "kv_quantised_bytes_ratio": stats.kv_cold_bytes_per_token / stats.kv_bytes_per_token
-             if stats.kv_quant_bits else None, "kv_reader": stats.kv_reader},
+             if stats.kv_quant_bits else None, "kv_reader": stats.kv_reader,
+             "prompt_reader": stats.prompt_reader},
         )  # fmt: skip
 
     return asyncio.run(go())
@@ -292,7 +295,8 @@ def ttft_isolation(
 ENGINE_VARIANTS = {"engine_static": (False, True, 16), "engine_dynamic": (True, True, 16),
                    "engine_dynamic_noprefix": (True, False, 16), "engine_dynamic_int8": (True, True, 8),
                    "engine_dynamic_int4": (True, True, 4), "engine_dynamic_unpacked": (True, True, 16),
-                   "engine_dynamic_unfused": (True, True, 16), "engine_dynamic_deferred": (True, True, 16)}  # fmt: skip
+                   "engine_dynamic_unfused": (True, True, 16), "engine_dynamic_deferred": (True, True, 16),
+                   "engine_dynamic_sdpa": (True, True, 16)}  # fmt: skip
 # Variants whose model keeps `nn.Linear` (PREPACK_WEIGHTS=false): what prepacking is worth.
 UNPACKED_VARIANTS = frozenset({"engine_dynamic_unpacked"})
 # Variants whose model keeps transformers' RMSNorm and MLP (FUSE_LAYERS=false): what fusing is worth.
@@ -301,3 +305,6 @@ UNFUSED_VARIANTS = frozenset({"engine_dynamic_unfused"})
 # (DECODE_DEFER_STEPS): a burst's prompts read before its decodes, as vLLM's large steps do.
 DEFERRED_VARIANTS = frozenset({"engine_dynamic_deferred"})
 DEFERRED_STEPS = 16
+# Variants whose prompt chunks are attended by torch's SDPA over a gathered copy
+# (PROMPT_ATTENTION=torch): what the native kernel's in-place prompt attention is worth.
+SDPA_VARIANTS = frozenset({"engine_dynamic_sdpa"})

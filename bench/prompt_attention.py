@@ -1,7 +1,8 @@
 """How fast prompt chunks attend to their sequence's history: torch's path, which gathers the
 sequence's keys and values out of the paged pool (`KVCache.read`) and runs SDPA with a
-bottom-right causal mask, against the native kernel's AMX tiles reading the pool where the tokens
-lie (`NativeKernel.prefill_attention`), in one run. Needs a CPU with AMX (bf16).
+bottom-right causal mask, against the native kernel reading the pool where the tokens lie
+(`NativeKernel.prefill_attention`): by AVX-512 BF16 vectors, and by AMX tiles where the CPU has
+them, in one run. Needs a CPU with AVX-512 BF16 (bf16).
 
 The default model's attention shape (14 query heads over 2 KV heads of 64 channels, 16-token
 blocks scattered over the pool), `--layers` layers; each case is a chunk of `q` new tokens after
@@ -12,11 +13,13 @@ taken within each round; the median round is reported. Each kernel result is che
 torch's before it is timed.
 
     python -m bench.prompt_attention --out bench/results/prompt-attention-cpu-amx.json
+    python -m bench.prompt_attention --out bench/results/prompt-attention-cpu-avx512.json
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +46,7 @@ def torch_chunk(cache: KVCache, query: torch.Tensor, slots: torch.Tensor, layers
         )
 
 
-def tiled_chunk(kernel: kv_native.NativeKernel, cache: KVCache, query: torch.Tensor, slots: torch.Tensor,
+def native_chunk(kernel: kv_native.NativeKernel, cache: KVCache, query: torch.Tensor, slots: torch.Tensor,
                 layers: int) -> None:  # fmt: skip
     for layer in range(layers):
         kernel.prefill_attention(query, cache.keys[layer], cache.values[layer], slots, HEAD_DIM**-0.5)
@@ -58,8 +61,11 @@ def main() -> None:
     args = parser.parse_args()
     console = Console(width=160)
     kernel = kv_native.load()
-    if kernel is None or not kernel.tiles:
-        raise SystemExit("no AMX build of the native kernel here: prompt chunks are attended by torch")
+    if kernel is None or kernel.prompt_isa(torch.bfloat16, HEAD_DIM) is None:
+        raise SystemExit(
+            "no AVX-512 BF16 build of the native kernel here: prompt chunks are attended by torch"
+        )
+    paths = {"vectors": replace(kernel, tiles=False), **({"tiles": kernel} if kernel.tiles else {})}
     gen = torch.Generator().manual_seed(0)
     runs, shapes = {}, {}
     for history, q_len in CASES:
@@ -77,28 +83,30 @@ def main() -> None:
         k, v = cache.read(0, slots, None)
         expected = F.scaled_dot_product_attention(query[None], k, v, attn_mask=mask, scale=HEAD_DIM**-0.5,
                                                   enable_gqa=True)[0].transpose(0, 1)  # fmt: skip
-        got = kernel.prefill_attention(query, cache.keys[0], cache.values[0], slots, HEAD_DIM**-0.5)
-        torch.testing.assert_close(got.float(), expected.float(), rtol=2**-6, atol=2**-6)
         name = f"{history}+{q_len}"
         shapes[name] = (history, q_len)
         runs[f"{name} torch"] = functools.partial(torch_chunk, cache, query, slots, args.layers)
-        runs[f"{name} tiles"] = functools.partial(tiled_chunk, kernel, cache, query, slots, args.layers)
+        for path, native in paths.items():
+            got = native.prefill_attention(query, cache.keys[0], cache.values[0], slots, HEAD_DIM**-0.5)
+            torch.testing.assert_close(got.float(), expected.float(), rtol=2**-6, atol=2**-6)
+            runs[f"{name} {path}"] = functools.partial(native_chunk, native, cache, query, slots, args.layers)
     with torch.inference_mode():
         times = common.rotated_rounds(runs, args.rounds, repeats=args.repeats)
-    table = Table("history + chunk", "torch: gather + SDPA, ms", "AMX tiles in place, ms", "speed vs torch (median)",
+    columns = [f"{label} in place, ms | speed vs torch" for label in
+               ("AVX-512 BF16 vectors", "AMX tiles")[: len(paths)]]  # fmt: skip
+    table = Table("history + chunk", "torch: gather + SDPA, ms", *columns,
                   title=f"prompt-chunk attention, bf16, {args.layers} layers, {args.rounds} rounds")  # fmt: skip
     cases: list[dict[str, Any]] = []
     for name, (history, q_len) in shapes.items():
-        speed = common.against(times, f"{name} tiles", f"{name} torch")
         torch_ms = common.against(times, f"{name} torch", f"{name} torch")["s_median"] * 1e3
-        cases.append({"history": history, "chunk": q_len, "torch_s": times[f"{name} torch"],
-                      "tiles_s": times[f"{name} tiles"], **speed})  # fmt: skip
-        table.add_row(
-            name,
-            f"{torch_ms:.1f}",
-            f"{speed['s_median'] * 1e3:.1f}",
-            f"{speed['speed_vs_baseline_median']:.2f}x",
-        )
+        case: dict[str, Any] = {"history": history, "chunk": q_len, "torch_s": times[f"{name} torch"]}
+        cells = []
+        for path in paths:  # speed: torch's time over the path's, within each round, median round
+            speed = common.against(times, f"{name} {path}", f"{name} torch")
+            case[path] = {"s": times[f"{name} {path}"], **speed}
+            cells.append(f"{speed['s_median'] * 1e3:.1f} | {speed['speed_vs_baseline_median']:.2f}x")
+        cases.append(case)
+        table.add_row(name, f"{torch_ms:.1f}", *cells)
     console.print(table)
     common.write_result(args.out, args, console, threads=torch.get_num_threads(), cases=cases)
 

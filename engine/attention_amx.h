@@ -161,35 +161,11 @@ static void amx_values(const attention *a, int64_t kv, const int64_t *slots, int
     }
 }
 
-/* 32-bit lane i of the result: the bf16 pair (a_i, b_i), each rounded to nearest even. */
-static inline __m512i bf16_pair(__m512 a, __m512 b) {
-    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
-                                           6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    return _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(b, a));
-}
-
-typedef struct {
-    const uint16_t *query; /* bf16, query head h's token i at h * head_stride + i * token_stride */
-    int64_t head_stride, token_stride;
-    const uint16_t *keys, *values_t; /* per KV head: [kv_pad][dim] and [dim][kv_pad], zero-padded */
-    int64_t kv_len, kv_pad, q_len, kv_heads, groups, dim;
-    float scale;
-    uint16_t *out; /* [q_len][kv_heads * groups][dim] */
-} chunk;
-
-/* Work space (bytes) of one thread for a chunk. */
-static int64_t chunk_bytes(int64_t kv_pad, int64_t dim) {
-    return kv_pad * 16 * 4   /* scores, then probabilities, [keys][16 queries] */
-           + dim * 16 * 2    /* the queries transposed, [dim / 32][16 pairs][16 queries x 2] */
-           + 16 * 32 * 2     /* probabilities of 32 keys as bf16 pairs, [16 pairs][16 queries x 2] */
-           + 64 * 16 * 4;    /* weighed values of 64 channels, [64][16 queries] */
-}
-
 /* Query head `head`'s tokens first .. first + 16 (those < q_len) against the keys they may see:
  * token i sits at position kv_len - q_len + i and attends to keys 0 .. that position. Scores by
  * tiles (keys x queries), a softmax per query in float32, values weighed by tiles (channels x
  * queries; the values transposed once per call, the probabilities as bf16 pairs). */
-static void attend_chunk_block(const chunk *c, int64_t head, int64_t first, uint8_t *space) {
+static void amx_chunk_block(const chunk *c, int64_t head, int64_t first, uint8_t *space) {
     int64_t dim = c->dim, kv = head / c->groups, rows = c->q_len - first < 16 ? c->q_len - first : 16;
     int64_t position = c->kv_len - c->q_len + first, seen = position + rows; /* keys the last query sees */
     int64_t tiles = (seen + 31) / 32 * 2;                                   /* of 16 keys, even */
@@ -197,12 +173,7 @@ static void attend_chunk_block(const chunk *c, int64_t head, int64_t first, uint
     uint16_t *qt = (uint16_t *)(scores + c->kv_pad * 16), *pairs = qt + dim * 16;
     float *weighed = (float *)(pairs + 16 * 32);
     const uint16_t *keys = c->keys + kv * c->kv_pad * dim, *values = c->values_t + kv * dim * c->kv_pad;
-    memset(qt, 0, (size_t)(dim * 16) * 2);
-    for (int64_t i = 0; i < rows; i++) { /* pair r of chunk k of query i: qt[k][r][i], as 32 bits */
-        const uint16_t *q = c->query + head * c->head_stride + (first + i) * c->token_stride;
-        for (int64_t r = 0; r < dim / 2; r++)
-            memcpy(qt + (r * 16 + i) * 2, q + 2 * r, 4);
-    }
+    chunk_queries(c, head, first, rows, qt); /* pair r of chunk k of query i: qt[k][r][i] */
     if (dim == 64) { /* both chunks of the queries stay in tmm5, tmm6 */
         _tile_loadd(5, qt, 64);
         _tile_loadd(6, qt + 16 * 32, 64);
@@ -224,19 +195,9 @@ static void attend_chunk_block(const chunk *c, int64_t head, int64_t first, uint
         }
         _tile_stored(7, scores + t * 16 * 16, 64);
     }
-    /* Keys below `position` are seen by every query of the block: their maximum needs no mask. */
-    const __m512 lanes = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    __m512 top = _mm512_set1_ps(-INFINITY), total = _mm512_setzero_ps();
-    int64_t open = position < tiles * 16 ? position : tiles * 16; /* keys 0 .. open seen by all */
-    for (int64_t j = 0; j < open; j++)
-        top = _mm512_max_ps(top, _mm512_loadu_ps(scores + j * 16));
-    for (int64_t j = open; j < tiles * 16; j++) { /* key j is seen by query i when j <= position + i */
-        __mmask16 seen_by = _mm512_cmp_ps_mask(lanes, _mm512_set1_ps((float)(j - position)), _CMP_GE_OQ);
-        __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), seen_by, _mm512_loadu_ps(scores + j * 16));
-        _mm512_storeu_ps(scores + j * 16, s);
-        top = _mm512_max_ps(top, s);
-    }
-    const __m512 scale = _mm512_set1_ps(c->scale), shift = _mm512_mul_ps(top, scale);
+    const __m512 scale = _mm512_set1_ps(c->scale);
+    const __m512 shift = _mm512_mul_ps(chunk_mask(scores, position, tiles * 16), scale);
+    __m512 total = _mm512_setzero_ps();
     for (int64_t half = 0; half < dim; half += 64) {
         _tile_zero(0);
         _tile_zero(1);
@@ -269,36 +230,8 @@ static void attend_chunk_block(const chunk *c, int64_t head, int64_t first, uint
         _tile_stored(3, weighed + 48 * 16, 64);
         float sums[16];
         _mm512_storeu_ps(sums, total);
-        int64_t heads = c->kv_heads * c->groups;
-        for (int64_t i = 0; i < rows; i++) {
-            uint16_t *o = c->out + ((first + i) * heads + head) * dim + half;
-            float inverse = 1.0f / sums[i];
-            for (int64_t d = 0; d < 64; d++)
-                o[d] = f32_to_bf16(weighed[d * 16 + i] * inverse);
-        }
+        chunk_store(c, head, first, rows, half, 64, weighed, sums);
     }
-}
-
-/* Token j of KV head h of a chunk's history, into key[0 .. dim) and value[0 .. dim) as bf16: the
- * quantised blocks first (dequantised as kv_native.c's reader does: centred code * scale + offset
- * in float32, rounded once), then the full-precision slots. `codes` is dim floats of work space. */
-static void history_row(const attention *a, const cold_layer *c, int64_t cold_len, const int64_t *slots, int64_t h,
-                        int64_t j, float *codes, uint16_t *key, uint16_t *value) {
-    int64_t dim = a->dim;
-    if (j >= cold_len) {
-        int64_t row = slots[j - cold_len] * a->kv_heads + h;
-        memcpy(key, (const uint16_t *)a->keys + row * dim, (size_t)dim * 2);
-        memcpy(value, (const uint16_t *)a->values + row * dim, (size_t)dim * 2);
-        return;
-    }
-    int64_t r = c->blocks[c->starts[0] + j / c->block] * a->kv_heads + h, t = j % c->block;
-    codes_f32(c, c->key_codes, r, t, dim, codes);
-    for (int64_t d = 0; d < dim; d++)
-        key[d] = f32_to_bf16(codes[d] * param(c->key_scale, r * dim + d, 0) + param(c->key_offset, r * dim + d, 0));
-    codes_f32(c, c->value_codes, r, t, dim, codes);
-    float scale = param(c->value_scale, r * c->block + t, 0), offset = param(c->value_offset, r * c->block + t, 0);
-    for (int64_t d = 0; d < dim; d++)
-        value[d] = f32_to_bf16(codes[d] * scale + offset);
 }
 
 /* The pair's `m` quantised blocks dequantised to bf16 rows in `rows` (as torch's reader does):

@@ -164,7 +164,8 @@ static inline void weigh(const float *const *rows, const float *p, int64_t m, in
 static inline void prefetch_rows(const attention *a, const void *base, const int64_t *slots, int64_t m,
                                  int64_t kv);
 
-#include "attention_amx.h" /* the AMX tiles: defines ATT_AMX */
+#include "attention_chunk.h" /* prompt chunks: their layout, history rows and AVX-512 BF16 blocks */
+#include "attention_amx.h"   /* the AMX tiles: defines ATT_AMX */
 
 /* out[j] = (q . rows[j]) * scale + bias for j < m <= 16: float32 rows, any dim. */
 static void score_rows(const float *q, const float *const *rows, int64_t m, int64_t dim, float scale, float bias,
@@ -475,17 +476,18 @@ int kv_decode_attention(const void *query, const void *keys, const void *values,
  * dim), the chunk's own tokens last. Of the kv_len tokens in all, chunk token i sits at position
  * kv_len - q_len + i and sees the keys up to it (bottom-right causal). Keys and values are
  * gathered once per call (quantised ones dequantised to bf16, as torch's path reads them; values
- * transposed), then blocks of 16 queries of one head are shared by the threads. Needs the AMX
- * build, dim a multiple of 64, at most 16 query heads a KV head and 1 <= q_len <= kv_len;
- * returns 0, or -1 (nothing written) when those do not hold, a slot or block is out of range, the
- * format is unknown or memory is not to be had. */
+ * transposed), then blocks of 16 queries of one head are shared by the threads: by AMX tiles with
+ * `tiles` (the AMX build), else by AVX-512 BF16 (attention_chunk.h). Needs the AVX-512 BF16 build,
+ * dim a multiple of 64, at most 16 query heads a KV head and 1 <= q_len <= kv_len; returns 0, or
+ * -1 (nothing written) when those do not hold, a slot or block is out of range, the format is
+ * unknown or memory is not to be had. */
 int kv_prefill_attention(const void *query, int64_t head_stride, int64_t token_stride, const void *keys,
                          const void *values, const int64_t *slots, int64_t hot, int64_t q_len, int64_t kv_heads,
-                         int64_t groups, int64_t dim, int64_t num_slots, float scale, const cold_layer *cold,
-                         void *out) {
-#if ATT_AMX
+                         int64_t groups, int64_t dim, int64_t num_slots, float scale, int tiles,
+                         const cold_layer *cold, void *out) {
+#if ATT_AVX512
     int64_t cold_len = cold != NULL ? (cold->starts[1] - cold->starts[0]) * cold->block : 0, kv_len = cold_len + hot;
-    if (dim % 64 || groups > 16 || q_len < 1 || q_len > kv_len || cold_len < 0)
+    if (dim % 64 || groups > 16 || q_len < 1 || q_len > kv_len || cold_len < 0 || (tiles && !ATT_AMX))
         return -1;
     if (cold != NULL && (cold->bits != 8 && cold->bits != 4))
         return -1;
@@ -505,7 +507,7 @@ int kv_prefill_attention(const void *query, int64_t head_stride, int64_t token_s
         return -1;
     }
     uint16_t *k = gathered, *vt = gathered + kv_heads * kv_pad * dim;
-    attention a = {query, keys, values, kv_heads, groups, dim, scale, 0, 1, out};
+    attention a = {query, keys, values, kv_heads, groups, dim, scale, 0, tiles, out};
 #pragma omp parallel for schedule(static)
     for (int64_t h = 0; h < kv_heads; h++) {
         uint16_t *row = vt + kv_heads * dim * kv_pad + h * dim;
@@ -531,21 +533,34 @@ int kv_prefill_attention(const void *query, int64_t head_stride, int64_t token_s
     {
         uint8_t *space = aligned_alloc(64, (size_t)chunk_bytes(kv_pad, dim));
         failed = space == NULL;
-        if (!failed)
+#if ATT_AMX
+        if (!failed && tiles)
             tiles_begin();
+#endif
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < items; item++)
-            if (!failed)
-                attend_chunk_block(&c, item / blocks, item % blocks * 16, space);
-        if (space != NULL)
+        for (int64_t item = 0; item < items; item++) {
+            if (failed)
+                continue;
+#if ATT_AMX
+            if (tiles) {
+                amx_chunk_block(&c, item / blocks, item % blocks * 16, space);
+                continue;
+            }
+#endif
+            vec_chunk_block(&c, item / blocks, item % blocks * 16, space);
+        }
+#if ATT_AMX
+        if (space != NULL && tiles)
             _tile_release();
+#endif
         free(space);
     }
     free(gathered);
     return failed ? -1 : 0;
 #else
     (void)query, (void)head_stride, (void)token_stride, (void)keys, (void)values, (void)slots, (void)hot;
-    (void)q_len, (void)kv_heads, (void)groups, (void)dim, (void)num_slots, (void)scale, (void)cold, (void)out;
+    (void)q_len, (void)kv_heads, (void)groups, (void)dim, (void)num_slots, (void)scale, (void)tiles, (void)cold;
+    (void)out;
     return -1;
 #endif
 }

@@ -13,6 +13,7 @@ Device = Literal["auto", "cpu", "cuda"]
 PrunePolicy = Literal["attention", "heuristic"]
 DType = Literal["auto", "bfloat16", "float32"]  # auto: bf16 where computed natively, else fp32
 KVKernel = Literal["auto", "torch", "avx512", "avx2", "portable"]
+PromptAttention = Literal["auto", "torch"]
 
 
 class EngineOptions(BaseModel):
@@ -51,6 +52,12 @@ class EngineOptions(BaseModel):
         "faster than torch, by C kernels built at start for this CPU (bf16 decodes by AMX tiles where "
         "it has them); torch: by torch; avx512 (an AMX CPU's build without its tiles), avx2, portable: "
         "the kernels' paths for an older CPU (to measure them on a newer one).",
+    )
+    prompt_attention: PromptAttention = Field(
+        default="auto",
+        description="auto: bf16 prompt chunks attended where their history lies by the KV_KERNEL build "
+        "(AMX tiles, or AVX-512 BF16 vectors; head size a multiple of 64); torch: SDPA over a gathered "
+        "copy, as on CPUs without them.",
     )
     max_tokens_per_step: int = Field(default=192, ge=1, description="Prefill chunks + decodes per forward.")
     decode_defer_steps: int = Field(

@@ -71,7 +71,7 @@ class EngineStats:
     prefix_caching: bool
     prefix_cached_blocks: int  # blocks holding a registered prefix, in use or evictable
     prefix_hit_tokens: int  # prompt tokens adopted from the cache instead of computed, since start
-    prompt_reader: str = "torch"  # how prompt chunks read full-precision history: "native-amx-bf16", "torch"
+    prompt_reader: str = "torch"  # how prompt chunks read history: "native-<isa>" (in place), "torch"
 
     @property
     def kv_ratio(self) -> float:

@@ -235,10 +235,12 @@ class KVCache:
         device: torch.device,
         cold: ColdStore | None = None,
         kernel: NativeKernel | None = None,
+        prompts_in_place: bool = True,
     ) -> None:
         """`kernel`: the native kernel that attends decodes over full-precision slots in place
-        (`attention.in_place_attention`), and with AMX tiles in bf16 prompt chunks too
-        (`prompt_kernel`); None: torch gathers them (`attention.decode_attention`, and SDPA)."""
+        (`attention.in_place_attention`), and in bf16 on AVX-512 BF16 or AMX prompt chunks too
+        (`prompt_kernel`, unless `prompts_in_place` is False); None: torch gathers them
+        (`attention.decode_attention`, and SDPA)."""
         self.shape = shape
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -248,6 +250,7 @@ class KVCache:
         self.values = torch.zeros(size, dtype=shape.dtype, device=device)
         self.cold = cold
         self.kernel = kernel
+        self.prompts_in_place = prompts_in_place
 
     @property
     def decode_reader(self) -> str:
@@ -258,16 +261,22 @@ class KVCache:
 
     @property
     def prompt_kernel(self) -> NativeKernel | None:
-        """The kernel that attends prompt chunks over full-precision history in place (AMX tiles,
-        bf16, head size a multiple of 64), or None: torch's SDPA over a gathered copy."""
-        if self.kernel is None or self.kernel.decode_isa(self.shape.dtype, self.shape.head_dim) != "amx-bf16":
-            return None
-        return self.kernel
+        """The kernel that attends prompt chunks over their history in place (AMX tiles or AVX-512
+        BF16, bf16, head size a multiple of 64: `NativeKernel.prompt_isa`), or None: torch's SDPA
+        over a gathered copy."""
+        return self.kernel if self._prompt_isa is not None else None
 
     @property
     def prompt_reader(self) -> str:
-        """How prompt chunks read full-precision history: "native-amx-bf16" (in place) or "torch"."""
-        return "native-amx-bf16" if self.prompt_kernel is not None else "torch"
+        """How prompt chunks read their history: "native-amx-bf16", "native-avx512-bf16" (in
+        place) or "torch"."""
+        return "torch" if self._prompt_isa is None else f"native-{self._prompt_isa}"
+
+    @property
+    def _prompt_isa(self) -> str | None:
+        if self.kernel is None or not self.prompts_in_place:
+            return None
+        return self.kernel.prompt_isa(self.shape.dtype, self.shape.head_dim)
 
     @property
     def bytes_per_block(self) -> int:

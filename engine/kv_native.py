@@ -10,8 +10,9 @@ Three C sources, one library:
   (full-precision slots and quantised blocks): torch's path (`attention.decode_attention`) first
   gathers every sequence's history into a padded copy. Float32 arithmetic; its results agree with
   torch's to rounding. Its threads are torch's own OpenMP workers (the library links the libgomp
-  torch has loaded). On a CPU with AMX its `attention_amx.h` runs bf16 decodes and prompt chunks
-  by tiles.
+  torch has loaded). bf16 prompt chunks are attended in place too, by AVX-512 BF16 vectors
+  (`attention_chunk.h`); on a CPU with AMX its `attention_amx.h` runs bf16 decodes and prompt
+  chunks by tiles.
 - `layers_native.c` is RMSNorm and SiLU * up in one pass each (`engine.fused`).
 
 The library is compiled when an engine first needs it, with the machine's C compiler (`CC`,
@@ -92,6 +93,14 @@ class NativeKernel:
         KV head, as every supported model has), else `attention_isa`."""
         tiled = self.tiles and dtype == torch.bfloat16 and head_dim % 64 == 0
         return "amx-bf16" if tiled else self.attention_isa
+
+    def prompt_isa(self, dtype: torch.dtype, head_dim: int) -> str | None:
+        """What prompt chunks are attended with in place (`prefill_attention`), or None where torch
+        attends them (SDPA over a gathered copy): "amx-bf16" (tiles) or "avx512-bf16" (the AVX-512
+        BF16 build's vectors), in bf16 with a head size that is a multiple of 64."""
+        if dtype != torch.bfloat16 or head_dim % 64 or self.attention_isa != "avx512-bf16":
+            return None
+        return "amx-bf16" if self.tiles else "avx512-bf16"
 
     def dequantize(
         self,
@@ -192,12 +201,13 @@ class NativeKernel:
         chunk's own last, bottom-right causal: of kv tokens in all, its token i sees the first
         kv - q + i + 1. `cold`: (the layer of the quantised store, its bits, blocks (m,)): the
         history begins with those blocks, dequantised to bf16 as `dequantize` reads them. By AMX
-        tiles (`tiles`; head size a multiple of 64): scores, a float32 softmax, values weighed with
-        bf16 probabilities, as torch's flash attention does. Returns (q, H, D)."""
+        tiles (`tiles`), else by the AVX-512 BF16 build's vectors (head size a multiple of 64 either
+        way): scores, a float32 softmax, values weighed with bf16 probabilities, as torch's flash
+        attention does. Returns (q, H, D)."""
         heads, q_len, dim = query.shape
         kv_heads = keys.shape[1]
-        if not self.tiles:
-            raise NativeKernelError("prompt attention in place needs the AMX build")
+        if self.attention_isa != "avx512-bf16":
+            raise NativeKernelError("prompt attention in place needs the AVX-512 BF16 or AMX build")
         if any(t.device.type != "cpu" for t in (query, keys, values, slots)) or query.stride(2) != 1:
             raise NativeKernelError("the native KV kernel reads CPU tensors, channels contiguous")
         if not (keys.is_contiguous() and values.is_contiguous() and slots.is_contiguous()):
@@ -218,7 +228,7 @@ class NativeKernel:
         status = self.library.kv_prefill_attention(
             query.data_ptr(), query.stride(0), query.stride(1), keys.data_ptr(), values.data_ptr(),
             slots.data_ptr(), slots.shape[0], q_len, kv_heads, heads // kv_heads, dim, keys.shape[0], scale,
-            None if layer is None else ctypes.byref(layer), out.data_ptr(),
+            int(self.tiles), None if layer is None else ctypes.byref(layer), out.data_ptr(),
         )  # fmt: skip
         if status:
             raise NativeKernelError(
@@ -337,7 +347,7 @@ def load(march: str = "native") -> NativeKernel | None:
     library.kv_silu_mul.argtypes = [pointer, pointer, i64, i32, pointer]
     library.kv_prefill_attention.restype = ctypes.c_int
     library.kv_prefill_attention.argtypes = [
-        pointer, i64, i64, pointer, pointer, pointer, i64, i64, i64, i64, i64, i64, ctypes.c_float,
+        pointer, i64, i64, pointer, pointer, pointer, i64, i64, i64, i64, i64, i64, ctypes.c_float, i32,
         ctypes.POINTER(ColdLayer), pointer,
     ]  # fmt: skip
     return NativeKernel(

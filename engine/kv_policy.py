@@ -232,7 +232,8 @@ def build_cache(config: EngineConfig, shape: KVShape, device: torch.device, max_
     blocks. Compressed: enough full-precision blocks for every running sequence's sinks, recent
     window and one step's prompt chunk, the rest as quantised blocks. On a CPU the native kernel
     reads quantised blocks, and attends decodes in place where its build does that faster than
-    torch's gathered path (`NativeKernel.attends_faster`)."""
+    torch's gathered path (`NativeKernel.attends_faster`), and bf16 prompt chunks where its build
+    can (`NativeKernel.prompt_isa`) unless PROMPT_ATTENTION=torch."""
     cap, size = pool_cap(config, device), config.block_size
     hot_bytes = shape.bytes_per_token * size
     native = config.kv_kernel != "torch" and device.type == "cpu" and shape.dtype in kv_native.DTYPES
@@ -240,11 +241,12 @@ def build_cache(config: EngineConfig, shape: KVShape, device: torch.device, max_
     if kernel is not None and config.kv_kernel == "avx512":  # this build's AVX-512 path, tiles unused
         kernel = replace(kernel, tiles=False)
     attends = kernel if kernel is not None and kernel.attends_faster(shape.dtype) else None
+    in_place = config.prompt_attention == "auto"
     # with the default budget, blocks beyond every running sequence at full length would stay idle
     usable = None if config.kv_cache_bytes is not None else config.effective_batch_size * -(-max_len // size)
     if not config.quantising:
         blocks = cap // hot_bytes if usable is None else min(cap // hot_bytes, usable)
-        return KVCache(shape, max(1, blocks), size, device, kernel=attends)
+        return KVCache(shape, max(1, blocks), size, device, kernel=attends, prompts_in_place=in_place)
     fmt = layer_formats(shape.num_layers, config.kv_quant_bits, config.kv_int8_layers)
     per_seq = -(-config.kv_sink_tokens // size) + -(-config.kv_residual_tokens // size) + 2
     hot_needed = config.effective_batch_size * per_seq + -(-config.max_tokens_per_step // size)
@@ -255,9 +257,9 @@ def build_cache(config: EngineConfig, shape: KVShape, device: torch.device, max_
     if usable is not None:
         cold = min(cold, usable)
     if not cold:
-        return KVCache(shape, hot, size, device, kernel=attends)
+        return KVCache(shape, hot, size, device, kernel=attends, prompts_in_place=in_place)
     cold_store = ColdStore(shape, fmt, cold, size, device, kernel, rotate=config.kv_rotate)
-    return KVCache(shape, hot, size, device, cold_store, attends)
+    return KVCache(shape, hot, size, device, cold_store, attends, prompts_in_place=in_place)
 
 
 # KV_KERNEL=avx512: the native build's own AVX-512 path (its AMX tiles unused), and what it needs.

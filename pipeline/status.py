@@ -51,7 +51,7 @@ def status_report(service: Service) -> dict[str, Any]:
             "generated_tokens": stats.num_generated_tokens,
             "preemptions": stats.num_preemptions,
             "decode_attention": stats.decode_reader,  # "native-<isa>": read in place; "torch": gathered
-            "prompt_attention": stats.prompt_reader,  # "native-amx-bf16": read in place; "torch": SDPA
+            "prompt_attention": stats.prompt_reader,  # "native-<isa>": read in place; "torch": SDPA
         },
         "kv_pool": {
             "total_bytes": stats.kv_total_bytes,

@@ -10,6 +10,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+import torch
 
 from bench import common, fused_layers, prompt_attention
 from engine import kv_native
@@ -29,13 +30,17 @@ def run(
 def test_prompt_attention_times_every_chunk_shape_both_ways(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Each chunk shape timed by torch and by every in-place path (vectors; tiles on AMX) in both rounds."""
     kernel = kv_native.load()
-    if kernel is None or not kernel.tiles:
-        pytest.skip("prompt chunks are attended in place only by the AMX build")
+    if kernel is None or kernel.prompt_isa(torch.bfloat16, prompt_attention.HEAD_DIM) is None:
+        pytest.skip("prompt chunks are attended in place only by the AVX-512 BF16 and AMX builds")
     cases = run(prompt_attention, ["--layers", "1", "--repeats", "1"], tmp_path / "p.json", monkeypatch)
     assert [(c["history"], c["chunk"]) for c in cases] == list(prompt_attention.CASES)
+    paths = ["vectors", "tiles"] if kernel.tiles else ["vectors"]
     for case in cases:
-        assert len(case["torch_s"]) == len(case["tiles_s"]) == 2 and min(case["tiles_s"]) > 0
+        assert len(case["torch_s"]) == 2 and [p for p in paths if p in case] == paths
+        assert all(len(case[p]["s"]) == 2 and min(case[p]["s"]) > 0 for p in paths)
+        assert all(len(case[p]["speed_vs_baseline"]) == 2 for p in paths)
 
 
 def test_fused_layers_times_both_kinds_of_work_on_every_build(

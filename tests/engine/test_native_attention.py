@@ -40,6 +40,19 @@ def every_build() -> list[tuple[str, NativeKernel]]:
     return builds
 
 
+def prompt_builds() -> list[tuple[str, NativeKernel]]:
+    """(label, kernel) for each path this CPU attends bf16 prompt chunks in place with: its AMX tiles
+    where it has them, and the AVX-512 BF16 vectors (alone where there are no tiles); none on
+    older CPUs (there torch's SDPA attends them)."""
+    kernel = native_kernel()
+    if kernel.prompt_isa(torch.bfloat16, 64) is None:
+        pytest.skip("prompt chunks are attended in place only by the AVX-512 BF16 and AMX builds")
+    builds = [(str(kernel.prompt_isa(torch.bfloat16, 64)), kernel)]
+    if kernel.tiles:
+        builds.append(("avx512-bf16", replace(kernel, tiles=False)))
+    return builds
+
+
 def paged_cache(
     shape: KVShape, lengths: tuple[int, ...], seed: int, size: int = 16
 ) -> tuple[KVCache, list[SeqSlice]]:
@@ -251,12 +264,10 @@ def chunk_by_hand(query: torch.Tensor, cache: KVCache, slots: torch.Tensor, scal
 @pytest.mark.parametrize("block", [16, 8])
 def test_prompt_chunks_attended_in_place_as_attention_by_hand(head_dim: int, block: int) -> None:
     """bf16 prompt chunks of 1 to 200 tokens over histories of 0 to 130 tokens in scattered blocks,
-    queries strided as the model hands them over, seven query heads to a KV head: the AMX tiles
-    give float64 causal attention to bf16 rounding (the output's, and the probabilities', as
-    torch's flash attention rounds them); so does torch's SDPA."""
-    kernel = native_kernel()
-    if not kernel.tiles:
-        pytest.skip("prompt chunks are attended in place only by the AMX build")
+    queries strided as the model hands them over, seven query heads to a KV head: every path this
+    CPU attends them in place with (AMX tiles, AVX-512 BF16 vectors) gives float64 causal
+    attention to bf16 rounding (the output's, and the probabilities', as torch's flash attention
+    rounds them); so does torch's SDPA."""
     chunks = ((17, 17), (40, 23), (200, 70), (33, 1), (64, 64), (130, 16))  # (history + chunk, chunk)
     shape = KVShape(1, 2, head_dim, torch.bfloat16)
     cache, seqs = paged_cache(shape, tuple(n for n, _ in chunks), seed=head_dim + block, size=block)
@@ -264,19 +275,21 @@ def test_prompt_chunks_attended_in_place_as_attention_by_hand(head_dim: int, blo
     for seq, (kv_len, q_len) in zip(seqs, chunks, strict=True):
         packed = torch.randn(1, q_len + 6, 14, head_dim, generator=gen).to(torch.bfloat16)
         query = packed.transpose(1, 2)[0, :, 3 : 3 + q_len]  # (H, q, D), tokens strided by H * D
-        got = kernel.prefill_attention(query, cache.keys[0], cache.values[0], seq.kv_slots, head_dim**-0.5)
         expected = chunk_by_hand(query, cache, seq.kv_slots, head_dim**-0.5)
-        torch.testing.assert_close(got.double(), expected, rtol=2**-7, atol=2**-7, msg=f"{kv_len}, {q_len}")
+        for label, kernel in prompt_builds():
+            scale = head_dim**-0.5
+            got = kernel.prefill_attention(query, cache.keys[0], cache.values[0], seq.kv_slots, scale)
+            torch.testing.assert_close(
+                got.double(), expected, rtol=2**-7, atol=2**-7, msg=f"{label}: {kv_len}, {q_len}"
+            )
 
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_prompt_chunks_attend_in_place_to_quantised_history_as_dequantising_by_hand(bits: int) -> None:
     """bf16, quantised blocks out of order before the full-precision tokens (and a sequence with
-    none): the AMX tiles give float64 causal attention over the history dequantised by hand, to
-    bf16 rounding; a block out of the store is refused."""
-    kernel = native_kernel()
-    if not kernel.tiles:
-        pytest.skip("prompt chunks are attended in place only by the AMX build")
+    none): every in-place path (AMX tiles, AVX-512 BF16 vectors) gives float64 causal attention
+    over the history dequantised by hand, to bf16 rounding; a block out of the store is refused."""
+    builds = prompt_builds()
     cache, seqs = with_quantised_history(KVShape(1, 2, 64, torch.bfloat16), bits, seed=bits)
     assert cache.cold is not None
     gen = torch.Generator().manual_seed(6)
@@ -290,11 +303,13 @@ def test_prompt_chunks_attend_in_place_to_quantised_history_as_dequantising_by_h
         scores = (q @ keys[:, None].transpose(2, 3) / 8).masked_fill(~seen, float("-inf"))
         expected = (torch.softmax(scores, dim=-1) @ values[:, None]).reshape(14, q_len, 64).transpose(0, 1)
         cold = None if seq.cold_blocks is None else (cache.cold.layer(0), bits, seq.cold_blocks)
-        got = kernel.prefill_attention(query, cache.keys[0], cache.values[0], seq.kv_slots, 0.125, cold)
-        torch.testing.assert_close(got.double(), expected, rtol=2**-7, atol=2**-7)
+        for label, kernel in builds:
+            got = kernel.prefill_attention(query, cache.keys[0], cache.values[0], seq.kv_slots, 0.125, cold)
+            torch.testing.assert_close(got.double(), expected, rtol=2**-7, atol=2**-7, msg=label)
     outside = (cache.cold.layer(0), bits, torch.tensor([99]))
-    with pytest.raises(NativeKernelError, match="block"):
-        kernel.prefill_attention(query, cache.keys[0], cache.values[0], seqs[0].kv_slots, 0.125, outside)
+    for _, kernel in builds:
+        with pytest.raises(NativeKernelError, match="block"):
+            kernel.prefill_attention(query, cache.keys[0], cache.values[0], seqs[0].kv_slots, 0.125, outside)
 
 
 def tiny_head64() -> LoadedModel:
@@ -318,25 +333,28 @@ def tiny_head64() -> LoadedModel:
 async def test_the_engine_reads_prompt_chunks_in_place_with_the_logits_of_sdpa(compressed: bool) -> None:
     """bf16, 8-token prompt chunks, the second request reusing the first's cached prefix (so its
     chunks attend to history), teacher-forced, uncompressed or with int8 KV and an 8-token window
-    (later chunks see quantised blocks): with the AMX build the engine attends prompt chunks in
-    place (`prompt_reader`), and every sampled token's logits match those of torch's SDPA over a
-    gathered copy (KV_KERNEL=avx512) to two bf16 steps (a quantised block's key offsets left out
-    gives three)."""
-    kernel = native_kernel()
-    if not kernel.tiles:
-        pytest.skip("prompt chunks are attended in place only by the AMX build")
+    (later chunks see quantised blocks): with an AVX-512 BF16 or AMX build the engine attends
+    prompt chunks in place (`prompt_reader`: by tiles where the CPU has them, and by vectors with
+    KV_KERNEL=avx512), and every sampled token's logits match those of torch's SDPA over a
+    gathered copy (PROMPT_ATTENTION=torch, decodes still in place; and KV_KERNEL=torch, all by
+    torch) to two bf16 steps (a quantised block's key offsets left out gives three)."""
+    builds = {"auto": f"native-{prompt_builds()[0][0]}"}  # KV_KERNEL -> prompt_reader
+    if native_kernel().tiles:
+        builds["avx512"] = "native-avx512-bf16"
     tiny = tiny_head64()
     forced = tuple(range(5, 17))
 
-    async def run(kv_kernel: str) -> list[torch.Tensor]:
+    async def run(kv_kernel: str, prompts: str = "auto") -> list[torch.Tensor]:
         squeeze = {"kv_compression": True, "kv_residual_tokens": 8, "kv_sink_tokens": 0} if compressed else {}
         config = EngineConfig(
             model_path=Path("unused"), dtype="bfloat16", kv_cache_bytes=1 << 22, block_size=8,
-            max_tokens_per_step=8, kv_kernel=kv_kernel, **squeeze,  # type: ignore[arg-type]
+            max_tokens_per_step=8, kv_kernel=kv_kernel, prompt_attention=prompts,  # type: ignore[arg-type]
+            **squeeze,  # type: ignore[arg-type]
         )  # fmt: skip
         async with Engine(config, tiny) as engine:
-            in_place = kv_kernel == "auto"
-            assert engine.stats().prompt_reader == ("native-amx-bf16" if in_place else "torch")
+            in_place = builds.get(kv_kernel, "torch") if prompts == "auto" else "torch"
+            assert engine.stats().prompt_reader == in_place
+            assert engine.stats().decode_reader != "torch" or kv_kernel == "torch"
             first = engine.format_chat([{"role": "user", "content": "会议决定下季度增加预算 " * 3}])
             params = SamplingParams(max_new_tokens=12, forced_ids=forced)
             rows = await engine.observe(first, params)
@@ -344,10 +362,13 @@ async def test_the_engine_reads_prompt_chunks_in_place_with_the_logits_of_sdpa(c
             assert engine.stats().prefix_hit_tokens > 0
             return rows
 
-    in_place, sdpa = await run("auto"), await run("avx512")
-    assert len(in_place) == len(sdpa) == 24
-    for got, expected in zip(in_place, sdpa, strict=True):  # logits within ~1: two bf16 steps
-        torch.testing.assert_close(got, expected, rtol=0, atol=2**-7)
+    references = {"PROMPT_ATTENTION=torch": await run("auto", "torch"), "KV_KERNEL=torch": await run("torch")}
+    for kv_kernel in builds:
+        in_place = await run(kv_kernel)
+        for name, sdpa in references.items():
+            assert len(in_place) == len(sdpa) == 24
+            for got, expected in zip(in_place, sdpa, strict=True):  # logits within ~1: two bf16 steps
+                torch.testing.assert_close(got, expected, rtol=0, atol=2**-7, msg=f"{kv_kernel} / {name}")
 
 
 def test_the_engine_attends_in_place_only_with_a_build_measured_faster_than_torch() -> None:
