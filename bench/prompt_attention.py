@@ -34,6 +34,7 @@ from engine.kv_cache import KVCache, KVShape, slots_of
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 14, 2, 64, 16
 CASES = ((0, 192), (420, 192), (800, 192), (420, 96), (0, 1024))  # (history, chunk)
+LABELS = {"vectors": "AVX-512 BF16 vectors", "tiles": "AMX tiles"}  # the in-place paths' columns
 
 
 def torch_chunk(cache: KVCache, query: torch.Tensor, slots: torch.Tensor, layers: int) -> None:
@@ -92,8 +93,7 @@ def main() -> None:
             runs[f"{name} {path}"] = functools.partial(native_chunk, native, cache, query, slots, args.layers)
     with torch.inference_mode():
         times = common.rotated_rounds(runs, args.rounds, repeats=args.repeats)
-    columns = [f"{label} in place, ms | speed vs torch" for label in
-               ("AVX-512 BF16 vectors", "AMX tiles")[: len(paths)]]  # fmt: skip
+    columns = [f"{LABELS[path]} in place, ms | speed vs torch" for path in paths]
     table = Table("history + chunk", "torch: gather + SDPA, ms", *columns,
                   title=f"prompt-chunk attention, bf16, {args.layers} layers, {args.rounds} rounds")  # fmt: skip
     cases: list[dict[str, Any]] = []
