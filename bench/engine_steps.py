@@ -83,6 +83,7 @@ def instrument(model: torch.nn.Module, timers: StepTimers) -> list[Callable[[], 
     names = {"PackedLinear": "weights' products", "NativeMLP": "MLP module", "Qwen2MLP": "MLP module",
              "LlamaMLP": "MLP module", "NativeRMSNorm": "RMSNorm", "Qwen2RMSNorm": "RMSNorm",
              "LlamaRMSNorm": "RMSNorm", "Qwen2Attention": "attention module", "LlamaAttention": "attention module",
+             "NativeAttention": "attention module",
              "Qwen2RotaryEmbedding": "rotary embedding", "LlamaRotaryEmbedding": "rotary embedding"}  # fmt: skip
     for module in model.modules():
         if (part := names.get(type(module).__name__)) is not None:

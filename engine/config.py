@@ -81,8 +81,9 @@ class EngineOptions(BaseModel):
     prefix_caching: bool = Field(default=True, description="Reuse the KV blocks of shared prompt prefixes.")
     fuse_layers: bool = Field(
         default=True,
-        description="RMSNorm and the MLP's SiLU * up each in one pass by the engine's C kernels (CPU; "
-        "SiLU * up where the CPU has AVX-512 with bf16); false: transformers' modules.",
+        description="RMSNorm, the rotary embedding and the MLP's SiLU * up each in one pass by the "
+        "engine's C kernels, q/k/v by one product (CPU; SiLU * up where the CPU has AVX-512 with "
+        "bf16); false: transformers' modules.",
     )
     prepack_weights: bool = Field(
         default=True,

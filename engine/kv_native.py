@@ -260,6 +260,19 @@ class NativeKernel:
         self.library.kv_silu_mul(gate.data_ptr(), up.data_ptr(), gate.numel(), fp32, out.data_ptr())
         return out
 
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, dim: int) -> None:
+        """Turns the first `heads` heads of `dim` of each row of x (..., n) in place by the rotary
+        embedding, as transformers' `apply_rotary_pos_emb` does and rounds (see layers_native.c);
+        cos and sin (..., dim), one row of angles per row of x. float32 or bfloat16, contiguous."""
+        self._elementwise(x, cos, sin)
+        rows = x.numel() // x.shape[-1]
+        if dim % 2 or heads * dim > x.shape[-1]:
+            raise NativeKernelError(f"{heads} heads of {dim} in rows of {x.shape[-1]}")
+        if cos.shape != sin.shape or cos.shape[-1] != dim or cos.numel() != rows * dim:
+            raise NativeKernelError(f"angles {tuple(cos.shape)}, {tuple(sin.shape)} for {rows} rows of {dim}")
+        fp32, n = int(x.dtype == torch.float32), x.shape[-1]
+        self.library.kv_rotary(x.data_ptr(), rows, n, heads, dim, cos.data_ptr(), sin.data_ptr(), fp32)
+
     @staticmethod
     def _elementwise(*tensors: torch.Tensor) -> None:
         if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
@@ -345,6 +358,8 @@ def load(march: str = "native") -> NativeKernel | None:
     library.kv_rms_norm.argtypes = [pointer, pointer, i64, i64, ctypes.c_float, i32, pointer]
     library.kv_silu_mul.restype = None
     library.kv_silu_mul.argtypes = [pointer, pointer, i64, i32, pointer]
+    library.kv_rotary.restype = None
+    library.kv_rotary.argtypes = [pointer, i64, i64, i64, i64, pointer, pointer, i32]
     library.kv_prefill_attention.restype = ctypes.c_int
     library.kv_prefill_attention.argtypes = [
         pointer, i64, i64, pointer, pointer, pointer, i64, i64, i64, i64, i64, i64, ctypes.c_float, i32,

@@ -1,11 +1,14 @@
-/* A decoder layer's element-wise work in one pass each (see engine/fused.py): RMSNorm, and the
- * MLP's SiLU(gate) * up. Torch's eager CPU path runs them as chains of operators, each a pass over
- * memory with a bf16 rounding between (RMSNorm: conversion, square, mean, rsqrt, two products,
- * conversion; the MLP: SiLU, then a product over the 4,864-wide intermediate).
+/* A decoder layer's element-wise work in one pass each (see engine/fused.py): RMSNorm, the MLP's
+ * SiLU(gate) * up, and the rotary embedding of queries and keys. Torch's eager CPU path runs them
+ * as chains of operators, each a pass over memory with a bf16 rounding between (RMSNorm:
+ * conversion, square, mean, rsqrt, two products, conversion; the MLP: SiLU, then a product over the
+ * 4,864-wide intermediate; RoPE: two slices, a negation, a concatenation, three products and a sum,
+ * for the queries and again for the keys).
  *
  * Each result is rounded where transformers' modules round it, so that bf16 results are torch's
  * to within float32 arithmetic order: RMSNorm gives bf16(weight * bf16(x * rsqrt(mean(x^2) + eps)))
- * with the mean in float32, SiLU * up gives bf16(bf16(silu(gate)) * up). float32 tensors are
+ * with the mean in float32, SiLU * up gives bf16(bf16(silu(gate)) * up), RoPE gives
+ * bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)). float32 tensors are
  * computed in float32 throughout. Rows (RMSNorm) or stretches of elements (SiLU * up) are shared by
  * torch's OpenMP workers (see attention_native.c); the loops are vectorised by the compiler.
  */
@@ -122,6 +125,44 @@ void kv_silu_mul(const void *gate, const void *up, int64_t count, int fp32, void
 #pragma omp simd
             for (int64_t i = begin; i < end; i++)
                 o[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(silu(bf16_to_f32(g[i])))) * bf16_to_f32(u[i]));
+        }
+    }
+}
+
+/* x (rows, stride): the first heads * dim elements of each row, `heads` heads of `dim`, turned in
+ * place by the rotary embedding as transformers' apply_rotary_pos_emb does: x * cos +
+ * rotate_half(x) * sin, where rotate_half of a head (x1, x2) is (-x2, x1); cos and sin (rows, dim),
+ * one row of angles per row of x. Each head's halves are read before either is written. */
+void kv_rotary(void *x, int64_t rows, int64_t stride, int64_t heads, int64_t dim, const void *cos, const void *sin,
+               int fp32) {
+    int64_t half = dim / 2;
+#pragma omp parallel for schedule(static) if (rows * heads * dim >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t h = 0; h < heads; h++) {
+            int64_t at = r * stride + h * dim;
+            if (fp32) {
+                float *v = (float *)x + at;
+                const float *c = (const float *)cos + r * dim, *s = (const float *)sin + r * dim;
+#pragma omp simd
+                for (int64_t i = 0; i < half; i++) {
+                    float a = v[i], b = v[i + half];
+                    v[i] = a * c[i] + -b * s[i];
+                    v[i + half] = b * c[i + half] + a * s[i + half];
+                }
+            } else {
+                uint16_t *v = (uint16_t *)x + at;
+                const uint16_t *c = (const uint16_t *)cos + r * dim, *s = (const uint16_t *)sin + r * dim;
+#pragma omp simd
+                for (int64_t i = 0; i < half; i++) {
+                    float a = bf16_to_f32(v[i]), b = bf16_to_f32(v[i + half]);
+                    float lo = bf16_to_f32(f32_to_bf16(a * bf16_to_f32(c[i])));
+                    float lo_turn = bf16_to_f32(f32_to_bf16(-b * bf16_to_f32(s[i])));
+                    float hi = bf16_to_f32(f32_to_bf16(b * bf16_to_f32(c[i + half])));
+                    float hi_turn = bf16_to_f32(f32_to_bf16(a * bf16_to_f32(s[i + half])));
+                    v[i] = f32_to_bf16(lo + lo_turn);
+                    v[i + half] = f32_to_bf16(hi + hi_turn);
+                }
+            }
         }
     }
 }

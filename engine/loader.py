@@ -108,8 +108,8 @@ def load_model(
 ) -> LoadedModel:
     """`prepack_weights`: the decoder layers' linear weights and the output head reordered once for
     oneDNN on a CPU, in fp32 or, where the CPU computes it natively, bf16 (`engine.linear`); no
-    effect elsewhere. `fuse_layers`: RMSNorm and SiLU * up by the native kernels on a CPU
-    (`engine.fused`)."""
+    effect elsewhere. `fuse_layers`: RMSNorm, SiLU * up and the rotary embedding by the native
+    kernels on a CPU, q/k/v by one product (`engine.fused`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     check_model_folder(path)
@@ -122,10 +122,10 @@ def load_model(
         raise ModelLoadError(f"could not load the model in {path}: {exc}") from exc
     model.to(target)
     model.eval()
+    if fuse_layers and target.type == "cpu" and torch_dtype in kv_native.DTYPES:
+        fused.fuse_layers(model, kv_native.load(), target)  # first: it concatenates plain q/k/v weights
     if prepack_weights:
         pack_linears(model, target, torch_dtype, weights_folder=path)
-    if fuse_layers and target.type == "cpu" and torch_dtype in kv_native.DTYPES:
-        fused.fuse_layers(model, kv_native.load(), target)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model_id = str(getattr(model.config, "_name_or_path", "") or path.name)

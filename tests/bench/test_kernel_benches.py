@@ -43,14 +43,13 @@ def test_prompt_attention_times_every_chunk_shape_both_ways(
         assert all(len(case[p]["speed_vs_baseline"]) == 2 for p in paths)
 
 
-def test_fused_layers_times_both_kinds_of_work_on_every_build(
+def test_fused_layers_times_every_kind_of_work_on_every_build(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cases = run(fused_layers, ["--rows", "1,3", "--layers", "1"], tmp_path / "f.json", monkeypatch)
     builds = set(common.kernel_builds())
-    expected = {
-        (d, rows, work) for d in fused_layers.DTYPES for rows in (1, 3) for work in ("rmsnorm", "silu * up")
-    }
+    works = ("rmsnorm", "silu * up", "rope")
+    expected = {(d, rows, work) for d in fused_layers.DTYPES for rows in (1, 3) for work in works}
     assert {(c["dtype"], c["rows"], c["work"]) for c in cases} == expected
     for case in cases:
         assert set(case["builds"]) == builds and len(case["torch_s"]) == 2
