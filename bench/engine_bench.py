@@ -132,6 +132,8 @@ def in_child(args: Any, variants: str, scenarios: str, isolation: bool) -> dict[
                    "--step-tokens", str(args.step_tokens), "--rate", str(args.rate),
                    "--kv-cache-mib", str(args.kv_cache_mib), "--kv-kernel", args.kv_kernel,
                    "--decode-defer", str(args.decode_defer)]  # fmt: skip
+        if args.saturated_step_tokens is not None:
+            options += ["--saturated-step-tokens", str(args.saturated_step_tokens)]
         options += ["--prompt-ids", str(args.prompt_ids)] if args.prompt_ids else []
         if args.random_shape:
             options += ["--random-shape", args.random_shape, "--tokenizer", str(args.tokenizer)]
@@ -156,6 +158,12 @@ def main() -> None:
     parser.add_argument(
         "--step-tokens", type=int, default=EngineConfig.model_fields["max_tokens_per_step"].default
     )
+    parser.add_argument(
+        "--saturated-step-tokens", type=int,
+        default=EngineConfig.model_fields["saturated_tokens_per_step"].default,
+        help="the engine's SATURATED_TOKENS_PER_STEP: the budget while a full batch is running or waiting "
+        "(unset: twice --step-tokens, the engine's default; 0: --step-tokens always)",
+    )  # fmt: skip
     parser.add_argument("--rate", type=float, default=0.5, help="stream arrivals per second")
     parser.add_argument(
         "--variants",
@@ -259,6 +267,7 @@ def main() -> None:
             model, prompts, n, at[scenario], dynamic, args.max_batch, args.step_tokens, prefix, pool, bits,
             kv_kernel=args.kv_kernel, decode_defer_steps=defer,
             prompt_attention="torch" if variant in SDPA_VARIANTS else "auto",
+            saturated_tokens_per_step=args.saturated_step_tokens,
         )  # fmt: skip
 
     cuda = loaded.device.type == "cuda"
@@ -282,7 +291,8 @@ def main() -> None:
     isolation = []
     if isolating:
         for round_ in range(1 if args.part else args.repeats):
-            isolation += [ttft_isolation(loaded, args.max_batch, args.step_tokens, p, kv_cache_bytes=pool) | {"round": round_}
+            isolation += [ttft_isolation(loaded, args.max_batch, args.step_tokens, p, kv_cache_bytes=pool,
+                                         saturated_tokens_per_step=args.saturated_step_tokens) | {"round": round_}
                           for p in (True, False)]  # fmt: skip
     report(args, runs, isolation, console)
 

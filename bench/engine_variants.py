@@ -207,6 +207,7 @@ def engine_run(
     kv_int8_layers: tuple[int, ...] = (),
     decode_defer_steps: int = 0,
     prompt_attention: PromptAttention = "auto",
+    saturated_tokens_per_step: int | None = None,
 ) -> Run:
     async def go() -> Run:
         config = EngineConfig(
@@ -214,7 +215,7 @@ def engine_run(
             kv_cache_bytes=kv_cache_bytes, max_tokens_per_step=budget, prefix_caching=prefix_caching,
             kv_compression=kv_bits < 16, kv_quant_bits=kv_bits, kv_kernel=kv_kernel,
             kv_int8_layers=kv_int8_layers, decode_defer_steps=decode_defer_steps,
-            prompt_attention=prompt_attention,
+            prompt_attention=prompt_attention, saturated_tokens_per_step=saturated_tokens_per_step,
         )  # fmt: skip
         engine = Engine(config, loaded)
         params = SamplingParams(max_new_tokens=n, ignore_eos=True)
@@ -249,6 +250,7 @@ def ttft_isolation(
     prefix_caching: bool,
     reps: int = 10,
     kv_cache_bytes: int = 1 << 30,
+    saturated_tokens_per_step: int | None = None,
 ) -> dict[str, Any]:
     """A short request's TTFT alone, then arriving while long prompts are being prefilled.
 
@@ -265,6 +267,7 @@ def ttft_isolation(
         config = EngineConfig(
             model_path=Path("bench"), dynamic_batching=True, max_batch_size=max_batch,
             kv_cache_bytes=kv_cache_bytes, max_tokens_per_step=budget, prefix_caching=prefix_caching,
+            saturated_tokens_per_step=saturated_tokens_per_step,
         )  # fmt: skip
         async with Engine(config, loaded) as engine:
             await engine.generate(short, SamplingParams(max_new_tokens=4))
@@ -282,7 +285,8 @@ def ttft_isolation(
                 busy.append((await engine.generate(short, SamplingParams(max_new_tokens=4))).ttft_s)
                 await asyncio.gather(*(h.result() for h in background))
         return {
-            "prefix_caching": prefix_caching, "step_tokens": budget, "short_prompt_tokens": len(short),
+            "prefix_caching": prefix_caching, "step_tokens": budget,
+            "saturated_step_tokens": saturated_tokens_per_step, "short_prompt_tokens": len(short),
             "long_prompt_tokens": [len(p) for p in longs], "arrival_offsets_s": offsets,
             "solo_ttft_s": solo, "busy_ttft_s": busy,
             "solo_p95_s": _pct(solo, 95), "busy_p95_s": _pct(busy, 95), "ratio": _pct(busy, 95) / _pct(solo, 95),

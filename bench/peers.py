@@ -13,8 +13,9 @@ round (this machine's speed drifts over minutes) and the median round is reporte
 engine with N tokens per step (`MAX_TOKENS_PER_STEP`) instead of its default, and `ours:torch`
 our engine with decodes' history gathered by torch (`KV_KERNEL=torch`) instead of read in place
 by the native kernel, and `ours~N` our engine whose decodes give way to waiting prompts for up to N
-steps in a row (`DECODE_DEFER_STEPS`), each run as a system of its own in the same rounds
-(`ours@512~16:torch` all three).
+steps in a row (`DECODE_DEFER_STEPS`), and `ours^N` our engine with N tokens per step while a full
+batch is running or waiting (`SATURATED_TOKENS_PER_STEP`), each run as a system of its own in the
+same rounds (`ours@512^1024~16:torch` all four).
 
     python -m bench.peers --rounds 3 --out bench/results/peers-cpu.json
 """
@@ -49,7 +50,7 @@ PEERS = Path(__file__).resolve().parents[1] / ".peers"
 SYSTEMS = ("ours", "vllm", "llama")
 # our engine with that many tokens per step, decodes deferred that many steps, and/or that KV_KERNEL
 # (`ours:torch`: decodes gathered)
-OURS = re.compile(r"ours(?:@(\d+))?(?:~(\d+))?(?::(auto|torch|avx512|avx2|portable))?")
+OURS = re.compile(r"ours(?:@(\d+))?(?:\^(\d+))?(?:~(\d+))?(?::(auto|torch|avx512|avx2|portable))?")
 
 
 def ours_step(system: str) -> str | None:
@@ -61,13 +62,19 @@ def ours_step(system: str) -> str | None:
 def ours_kernel(system: str) -> str | None:
     """The KV_KERNEL `ours:K` names (None for any other system)."""
     match = OURS.fullmatch(system)
-    return match.group(3) if match else None
+    return match.group(4) if match else None
+
+
+def ours_saturated(system: str) -> str | None:
+    """The SATURATED_TOKENS_PER_STEP `ours^N` names (None for any other system)."""
+    match = OURS.fullmatch(system)
+    return match.group(2) if match else None
 
 
 def ours_defer(system: str) -> str | None:
     """The DECODE_DEFER_STEPS `ours~N` names (None for any other system)."""
     match = OURS.fullmatch(system)
-    return match.group(2) if match else None
+    return match.group(3) if match else None
 
 
 def is_ours(system: str) -> bool:
@@ -270,8 +277,10 @@ def peer_round(server: Server, prompts: list[list[int]], args: Any, round_: int,
 
 def ours_round(args: Any, round_: int, system: str = "ours") -> list[Result]:
     """Our engine in a fresh process, each scenario in turn (`bench.engine_bench --part`); `ours@N`
-    with N tokens per step, `ours~N` with DECODE_DEFER_STEPS=N, `ours:K` with KV_KERNEL=K."""
+    with N tokens per step, `ours^N` with SATURATED_TOKENS_PER_STEP=N, `ours~N` with
+    DECODE_DEFER_STEPS=N, `ours:K` with KV_KERNEL=K."""
     step, kernel, defer = ours_step(system), ours_kernel(system), ours_defer(system)
+    saturated = ours_saturated(system)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "part.json"
         subprocess.run(
@@ -280,7 +289,8 @@ def ours_round(args: Any, round_: int, system: str = "ours") -> list[Result]:
              "--new-tokens", str(args.new_tokens), "--max-batch", str(args.max_batch), "--rate", str(args.rate),
              "--kv-cache-mib", "1024", "--warm-up", "--model", str(args.model), "--out", str(out),
              *(["--step-tokens", step] if step else []), *(["--kv-kernel", kernel] if kernel else []),
-             *(["--decode-defer", defer] if defer else [])],
+             *(["--decode-defer", defer] if defer else []),
+             *(["--saturated-step-tokens", saturated] if saturated else [])],
             check=True, cwd=Path(__file__).resolve().parents[1],
         )  # fmt: skip
         runs = json.loads(out.read_text())["runs"]
@@ -315,7 +325,7 @@ def main() -> None:
     systems = args.systems.split(",")
     if unknown := {s for s in systems if s not in SYSTEMS and not is_ours(s)}:
         parser.error(
-            f"unknown systems {sorted(unknown)}; known: {', '.join(SYSTEMS)}, ours@N, ours~N, ours:K, ours@N~N:K"
+            f"unknown systems {sorted(unknown)}; known: {', '.join(SYSTEMS)}, ours@N, ours^N, ours~N, ours:K, ours@N^N~N:K"
         )
     from transformers import AutoTokenizer
 

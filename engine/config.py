@@ -60,6 +60,13 @@ class EngineOptions(BaseModel):
         "copy, as on CPUs without them.",
     )
     max_tokens_per_step: int = Field(default=192, ge=1, description="Prefill chunks + decodes per forward.")
+    saturated_tokens_per_step: int | None = Field(
+        default=None,
+        ge=0,
+        description="Prefill chunks + decodes per forward while MAX_BATCH_SIZE requests or more are running "
+        "or waiting (a backlog: larger steps read its prompts faster); unset: twice MAX_TOKENS_PER_STEP; "
+        "0: MAX_TOKENS_PER_STEP always.",
+    )
     decode_defer_steps: int = Field(
         default=0,
         ge=0,
@@ -126,6 +133,14 @@ class EngineOptions(BaseModel):
     @property
     def effective_batch_size(self) -> int:
         return self.max_batch_size if self.dynamic_batching else 1
+
+    @property
+    def saturated_budget(self) -> int:
+        """The step budget while saturated: SATURATED_TOKENS_PER_STEP, or twice MAX_TOKENS_PER_STEP
+        when unset (0: no other budget)."""
+        if self.saturated_tokens_per_step is None:
+            return 2 * self.max_tokens_per_step
+        return self.saturated_tokens_per_step
 
     def options(self) -> dict[str, Any]:
         """These knobs alone, as keyword arguments (for `EngineConfig.of`)."""

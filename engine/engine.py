@@ -105,6 +105,7 @@ class Engine:
                 prune_window=compression.prune_window,
                 together_s=config.dynamic_batch_window_ms / 1000 if config.dynamic_batching else 0.0,
                 decode_defer_steps=config.decode_defer_steps,
+                saturated_tokens_per_step=config.saturated_budget,
             ),
             self.blocks,
         )

@@ -249,7 +249,8 @@ def build_cache(config: EngineConfig, shape: KVShape, device: torch.device, max_
         return KVCache(shape, max(1, blocks), size, device, kernel=attends, prompts_in_place=in_place)
     fmt = layer_formats(shape.num_layers, config.kv_quant_bits, config.kv_int8_layers)
     per_seq = -(-config.kv_sink_tokens // size) + -(-config.kv_residual_tokens // size) + 2
-    hot_needed = config.effective_batch_size * per_seq + -(-config.max_tokens_per_step // size)
+    step = max(config.max_tokens_per_step, config.saturated_budget)  # a step's new tokens
+    hot_needed = config.effective_batch_size * per_seq + -(-step // size)
     if config.pruning:  # prompts stay full precision until they are scored: room for a few long ones
         hot_needed += -(-4096 // size)
     hot = min(max(1, cap // hot_bytes), hot_needed)

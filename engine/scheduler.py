@@ -19,6 +19,10 @@ Policy, in order, within a per-step token budget:
    decode-only steps at the end of a burst run almost free. Never when the free blocks could not
    then also hold every decode's next token (the deferral must not cause a preemption), and
    never into an empty step.
+4. with `saturated_tokens_per_step` S > 0, the budget is S instead while the engine holds at
+   least `max_running` requests (running or waiting): saturated, it makes every request wait for
+   the batch as a whole, and larger steps read a backlog's prompts with fewer decodes riding along.
+   Below that, a newcomer's first token waits behind the smaller step in flight.
 When the block pool cannot hold a decode, the youngest running sequence is preempted: its blocks
 are freed and it goes back to the front of the queue to be recomputed later, once all of it fits
 the free blocks (its generated tokens are kept, so its output does not change; a pruned sequence
@@ -44,6 +48,7 @@ class SchedulerConfig:
     prune_window: int = 0  # with KV pruning: the observation window every final prompt chunk holds
     together_s: float = 0.0  # requests arriving within this of each other form one batch (the window)
     decode_defer_steps: int = 0  # steps in a row that decodes may give way to prompts (3. above)
+    saturated_tokens_per_step: int = 0  # the budget while saturated (4. above); 0: max_tokens_per_step
 
     def __post_init__(self) -> None:
         if self.max_running < 1 or self.max_tokens_per_step < self.max_running:
@@ -103,18 +108,29 @@ class Scheduler:
             # Nothing fits although sequences run (all prefilling, pool full): make room.
             self._preempt(self.running[-1])
 
+    @property
+    def budget(self) -> int:
+        """Tokens the next step may carry: `saturated_tokens_per_step` (when set and larger) while
+        at least `max_running` requests are running or waiting, else `max_tokens_per_step`."""
+        config = self.config
+        saturated = len(self.running) + len(self.waiting) >= config.max_running
+        if saturated and config.saturated_tokens_per_step > config.max_tokens_per_step:
+            return config.saturated_tokens_per_step
+        return config.max_tokens_per_step
+
     def _plan(self, admit: bool) -> list[Chunk]:
         self._num_plans += 1
-        if self._decodes_deferred < self.config.decode_defer_steps and self._may_defer_decodes(admit):
-            plan = self._plan_prompts(admit, self.config.max_tokens_per_step, [])
+        budget = self.budget
+        if self._decodes_deferred < self.config.decode_defer_steps and self._may_defer_decodes(admit, budget):
+            plan = self._plan_prompts(admit, budget, [])
             if plan:
                 self._decodes_deferred += 1
                 return plan
         self._decodes_deferred = 0
         plan = self._plan_decodes()
-        return self._plan_prompts(admit, self.config.max_tokens_per_step - len(plan), plan)
+        return self._plan_prompts(admit, budget - len(plan), plan)
 
-    def _may_defer_decodes(self, admit: bool) -> bool:
+    def _may_defer_decodes(self, admit: bool, budget: int) -> bool:
         """Whether a prompt waits to be read beside running decodes, and the pool would still hold
         every decode's next token after a full step of prompt chunks (each chunk may start a block
         of its own: at most `max_running` more than the budget's)."""
@@ -124,7 +140,6 @@ class Scheduler:
         reading = any(not s.is_decoding for s in self.running) or (
             admit and bool(self.waiting) and len(self.running) < self.config.max_running
         )
-        budget = self.config.max_tokens_per_step
         needed = self.blocks.blocks_for(budget) + self.config.max_running + decoding
         return reading and self.blocks.num_free >= needed
 

@@ -11,7 +11,17 @@ import httpx
 import pytest
 from rich.console import Console
 
-from bench.peers import Result, Server, _one, is_ours, ours_defer, ours_kernel, ours_step, report
+from bench.peers import (
+    Result,
+    Server,
+    _one,
+    is_ours,
+    ours_defer,
+    ours_kernel,
+    ours_saturated,
+    ours_step,
+    report,
+)
 
 
 def _sse(chunks: list[dict[str, object]], done: bool) -> bytes:
@@ -84,3 +94,15 @@ def test_our_engine_at_another_step_size_is_compared_with_each_peer_and_with_the
     assert (ours_step("ours@512~16:torch"), ours_defer("ours@512~16:torch")) == ("512", "16")
     assert ours_kernel("ours@512~16:torch") == "torch" and ours_defer("ours@512:torch") is None
     assert is_ours("ours~16") and not is_ours("ours~") and not is_ours("ours:torch~16")
+    assert (ours_saturated("ours^384"), ours_step("ours^384"), ours_saturated("ours@192")) == (
+        "384",
+        None,
+        None,
+    )
+    assert [f("ours@192^384~16:torch") for f in (ours_step, ours_saturated, ours_defer, ours_kernel)] == [
+        "192",
+        "384",
+        "16",
+        "torch",
+    ]
+    assert not is_ours("ours^") and not is_ours("ours~16^384")

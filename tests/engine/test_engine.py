@@ -60,8 +60,10 @@ def generate_alone(tiny: LoadedModel, ids: list[int], n: int) -> list[int]:
 async def test_requests_joining_at_different_steps_with_chunked_prefill_match_alone(
     tiny: LoadedModel, defer: int
 ) -> None:
-    # A budget of 8 tokens a step forces every prompt (20-50 tokens) through several chunks,
-    # interleaved with the decodes of the requests already running (or, deferred, between them).
+    # A budget of 8 tokens a step (16 while three or more requests are running or waiting: the
+    # saturated budget, twice the other by default) forces every prompt (20-50 tokens) through
+    # several chunks of both sizes, interleaved with the decodes of the requests already running
+    # (or, deferred, between them).
     engine = make_engine(
         tiny, dynamic_batching=True, max_batch_size=3, dynamic_batch_window_ms=30, max_tokens_per_step=8,
         decode_defer_steps=defer,

@@ -172,8 +172,9 @@ def test_a_loaded_model_packs_the_fused_attentions_one_q_k_v_product(tmp_path: P
 
 
 async def test_the_engine_with_fused_layers_generates_what_recomputation_does() -> None:
-    """fp32, greedy, three requests batched in 8-token chunks: token for token what the same model
-    (its modules fused) gives by full recomputation."""
+    """fp32, greedy, three requests batched in 8-token chunks (16 while all three are held: the
+    saturated budget): token for token what the same model (its modules fused) gives by full
+    recomputation."""
     tiny = build_tiny()
     assert fuse_layers(tiny.model, native_kernel(), torch.device("cpu")) > 0
     config = EngineConfig(

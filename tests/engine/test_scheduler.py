@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -102,6 +103,7 @@ def test_random_load_with_cancellations_pool_exhaustion_and_shared_prefixes(
         config = SchedulerConfig(
             max_running=rng.choice([1, 4, 8]), max_tokens_per_step=rng.choice([16, 64]),
             decode_defer_steps=seed % 2 * 4,  # decodes giving way to prompts keep every invariant too
+            saturated_tokens_per_step=rng.choice([0, 96]),  # and larger steps while saturated
         )  # fmt: skip
         scheduler = Scheduler(config, blocks)
         compression = CompressionConfig(
@@ -132,6 +134,8 @@ def test_random_load_with_cancellations_pool_exhaustion_and_shared_prefixes(
                 victim = live.pop(rng.randrange(len(live)))
                 scheduler.finish(victim)
                 finished[victim.seq_id] = "cancelled"
+            budget = scheduler.budget  # what this step may carry (larger while saturated)
+            assert budget in (config.max_tokens_per_step, config.saturated_tokens_per_step)
             plan = scheduler.schedule(admit=rng.random() < 0.8)
             for hot, moved in compressor.moves(scheduler.running).settle:  # the runner: copy, then compute
                 settled += 1
@@ -148,7 +152,7 @@ def test_random_load_with_cancellations_pool_exhaustion_and_shared_prefixes(
                 for i in range(block_size):
                     written[moved * block_size + i] = written[hot * block_size + i]
             # Invariants of every step.
-            assert sum(c.num_tokens for c in plan) <= config.max_tokens_per_step
+            assert sum(c.num_tokens for c in plan) <= budget
             assert all(c.num_tokens > 0 for c in plan)
             assert len(scheduler.running) <= config.max_running
             assert len({id(c.seq) for c in plan}) == len(plan)
@@ -298,6 +302,38 @@ def test_decodes_are_not_deferred_into_a_preemption_or_an_empty_step() -> None:
             plan = scheduler.schedule(admit=True)
             assert [(c.seq.seq_id, c.num_tokens) for c in plan] == expected
             assert scheduler.num_preemptions == 0
+    finally:
+        loop.close()
+
+
+def test_a_saturated_scheduler_reads_prompts_in_larger_steps() -> None:
+    """With `saturated_tokens_per_step` 30 over a budget of 10 and room for 4: while fewer than 4
+    requests are running or waiting, steps carry 10 tokens; from the 4th on, 30 (decodes riding
+    along included); once requests finish and fewer than 4 remain, 10 again."""
+    loop = asyncio.new_event_loop()
+    try:
+        config = SchedulerConfig(max_running=4, max_tokens_per_step=10, saturated_tokens_per_step=30)
+        scheduler = Scheduler(config, BlockManager(64, 16))
+        seqs = [make_sequence(i, 100, 2, loop) for i in range(4)]
+        for seq in seqs[:3]:
+            scheduler.add(seq)
+        sizes = []
+        for _ in range(2):
+            plan = scheduler.schedule(admit=True)
+            sizes.append(sum(c.num_tokens for c in plan))
+            run_plan(plan)
+        scheduler.add(seqs[3])
+        for _ in range(2):
+            plan = scheduler.schedule(admit=True)
+            sizes.append(sum(c.num_tokens for c in plan))
+            run_plan(plan)
+        assert sizes == [10, 10, 30, 30]
+        scheduler.finish(seqs[3])
+        assert scheduler.budget == 10
+        unsaturated = Scheduler(replace(config, saturated_tokens_per_step=0), BlockManager(64, 16))
+        for seq in [make_sequence(i, 100, 2, loop) for i in range(4)]:
+            unsaturated.add(seq)
+        assert sum(c.num_tokens for c in unsaturated.schedule(admit=True)) == 10
     finally:
         loop.close()
 
