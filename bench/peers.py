@@ -48,33 +48,35 @@ from engine.loader import cpu_has_bf16
 
 PEERS = Path(__file__).resolve().parents[1] / ".peers"
 SYSTEMS = ("ours", "vllm", "llama")
-# our engine with that many tokens per step, decodes deferred that many steps, and/or that KV_KERNEL
+# our engine with that many tokens per step (@), while saturated (^), decodes deferred that many
+# steps (~), and/or that KV_KERNEL (:)
 # (`ours:torch`: decodes gathered)
 OURS = re.compile(r"ours(?:@(\d+))?(?:\^(\d+))?(?:~(\d+))?(?::(auto|torch|avx512|avx2|portable))?")
 
 
+def _ours_part(system: str, group: int) -> str | None:
+    match = OURS.fullmatch(system)
+    return match.group(group) if match else None
+
+
 def ours_step(system: str) -> str | None:
     """The tokens per step `ours@N` names (None for any other system)."""
-    match = OURS.fullmatch(system)
-    return match.group(1) if match else None
-
-
-def ours_kernel(system: str) -> str | None:
-    """The KV_KERNEL `ours:K` names (None for any other system)."""
-    match = OURS.fullmatch(system)
-    return match.group(4) if match else None
+    return _ours_part(system, 1)
 
 
 def ours_saturated(system: str) -> str | None:
     """The SATURATED_TOKENS_PER_STEP `ours^N` names (None for any other system)."""
-    match = OURS.fullmatch(system)
-    return match.group(2) if match else None
+    return _ours_part(system, 2)
 
 
 def ours_defer(system: str) -> str | None:
     """The DECODE_DEFER_STEPS `ours~N` names (None for any other system)."""
-    match = OURS.fullmatch(system)
-    return match.group(3) if match else None
+    return _ours_part(system, 3)
+
+
+def ours_kernel(system: str) -> str | None:
+    """The KV_KERNEL `ours:K` names (None for any other system)."""
+    return _ours_part(system, 4)
 
 
 def is_ours(system: str) -> bool:

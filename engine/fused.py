@@ -90,6 +90,7 @@ class NativeAttention(nn.Module):
         self.attention_dropout = attention.attention_dropout
         self.is_causal = True
         self.widths = [int(part.out_features) for part in parts]  # q, k, v
+        self.turned_heads = (self.widths[0] + self.widths[1]) // self.head_dim  # queries' and keys'
         self.qkv_proj: nn.Module = _concatenated(parts)  # packed by `pack_linears` afterwards
         self.o_proj: nn.Module = attention.o_proj
         self.kernel = kernel
@@ -107,8 +108,7 @@ class NativeAttention(nn.Module):
         hidden_shape = (*input_shape, -1, self.head_dim)
         qkv: torch.Tensor = self.qkv_proj(hidden_states)
         cos, sin = position_embeddings
-        heads = (self.widths[0] + self.widths[1]) // self.head_dim  # queries' and keys' heads
-        self.kernel.rotary(qkv, cos.contiguous(), sin.contiguous(), heads, self.head_dim)
+        self.kernel.rotary(qkv, cos.contiguous(), sin.contiguous(), self.turned_heads, self.head_dim)
         parts = torch.split(qkv, self.widths, dim=-1)
         query, key, value = (x.view(hidden_shape).transpose(1, 2) for x in parts)
         if cache is not None:
