@@ -134,6 +134,8 @@ def in_child(args: Any, variants: str, scenarios: str, isolation: bool) -> dict[
                    "--decode-defer", str(args.decode_defer)]  # fmt: skip
         if args.saturated_step_tokens is not None:
             options += ["--saturated-step-tokens", str(args.saturated_step_tokens)]
+        if args.speculative_tokens is not None:
+            options += ["--speculative-tokens", str(args.speculative_tokens)]
         options += ["--prompt-ids", str(args.prompt_ids)] if args.prompt_ids else []
         if args.random_shape:
             options += ["--random-shape", args.random_shape, "--tokenizer", str(args.tokenizer)]
@@ -163,6 +165,10 @@ def main() -> None:
         default=EngineConfig.model_fields["saturated_tokens_per_step"].default,
         help="the engine's SATURATED_TOKENS_PER_STEP: the budget while a full batch is running or waiting "
         "(unset: twice --step-tokens, the engine's default; 0: --step-tokens always)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--speculative-tokens", type=int, default=None,
+        help="the engine's SPECULATIVE_TOKENS: draft tokens per decode by prompt lookup (unset: the default)",
     )  # fmt: skip
     parser.add_argument("--rate", type=float, default=0.5, help="stream arrivals per second")
     parser.add_argument(
@@ -267,7 +273,7 @@ def main() -> None:
             model, prompts, n, at[scenario], dynamic, args.max_batch, args.step_tokens, prefix, pool, bits,
             kv_kernel=args.kv_kernel, decode_defer_steps=defer,
             prompt_attention="torch" if variant in SDPA_VARIANTS else "auto",
-            saturated_tokens_per_step=args.saturated_step_tokens,
+            saturated_tokens_per_step=args.saturated_step_tokens, speculative_tokens=args.speculative_tokens,
         )  # fmt: skip
 
     cuda = loaded.device.type == "cuda"

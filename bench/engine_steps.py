@@ -110,6 +110,12 @@ def main() -> None:
     parser.add_argument("--step-tokens", type=int, default=192)
     parser.add_argument("--kv-kernel", default="auto")
     parser.add_argument("--decode-defer", type=int, default=0, help="the engine's DECODE_DEFER_STEPS")
+    parser.add_argument(
+        "--speculative-tokens",
+        type=int,
+        default=None,
+        help="the engine's SPECULATIVE_TOKENS (unset: its default)",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/engine-steps.json"))
     args = parser.parse_args()
     console = Console(width=160)
@@ -123,7 +129,8 @@ def main() -> None:
         timers.active = True
         run = engine_run(loaded, prompts, args.new_tokens, [0.0] * len(prompts), True, args.max_batch,
                          args.step_tokens, True, 1 << 30, kv_kernel=kernel,
-                         decode_defer_steps=args.decode_defer)  # fmt: skip
+                         decode_defer_steps=args.decode_defer,
+                         speculative_tokens=args.speculative_tokens)  # fmt: skip
     finally:
         for call in undo:
             call()
@@ -141,7 +148,11 @@ def main() -> None:
     console.print(
         "(modules include what they call: the MLP and attention modules their products and kernels)"
     )
+    console.print(
+        f"draft tokens {run.extra['draft_tokens']}, of which accepted {run.extra['accepted_drafts']}"
+    )
     common.write_result(args.out, args, console, wall_s=run.wall_s, tokens=run.tokens, steps=timers.steps,
+                        drafts={"proposed": run.extra["draft_tokens"], "accepted": run.extra["accepted_drafts"]},
                         seconds={k: dict(v) for k, v in timers.seconds.items()})  # fmt: skip
 
 

@@ -208,14 +208,16 @@ def engine_run(
     decode_defer_steps: int = 0,
     prompt_attention: PromptAttention = "auto",
     saturated_tokens_per_step: int | None = None,
+    speculative_tokens: int | None = None,
 ) -> Run:
     async def go() -> Run:
+        drafts = {} if speculative_tokens is None else {"speculative_tokens": speculative_tokens}
         config = EngineConfig(
             model_path=Path("bench"), dynamic_batching=dynamic, max_batch_size=max_batch,
             kv_cache_bytes=kv_cache_bytes, max_tokens_per_step=budget, prefix_caching=prefix_caching,
             kv_compression=kv_bits < 16, kv_quant_bits=kv_bits, kv_kernel=kv_kernel,
             kv_int8_layers=kv_int8_layers, decode_defer_steps=decode_defer_steps,
-            prompt_attention=prompt_attention, saturated_tokens_per_step=saturated_tokens_per_step,
+            prompt_attention=prompt_attention, saturated_tokens_per_step=saturated_tokens_per_step, **drafts,
         )  # fmt: skip
         engine = Engine(config, loaded)
         params = SamplingParams(max_new_tokens=n, ignore_eos=True)
@@ -237,7 +239,8 @@ def engine_run(
              "preemptions": stats.num_preemptions, "kv_bytes_per_token": stats.kv_bytes_per_token,
              "kv_quantised_bytes_ratio": stats.kv_cold_bytes_per_token / stats.kv_bytes_per_token
              if stats.kv_quant_bits else None, "kv_reader": stats.kv_reader,
-             "prompt_reader": stats.prompt_reader},
+             "prompt_reader": stats.prompt_reader, "draft_tokens": stats.num_draft_tokens,
+             "accepted_drafts": stats.num_accepted_drafts},
         )  # fmt: skip
 
     return asyncio.run(go())

@@ -14,8 +14,9 @@ engine with N tokens per step (`MAX_TOKENS_PER_STEP`) instead of its default, an
 our engine with decodes' history gathered by torch (`KV_KERNEL=torch`) instead of read in place
 by the native kernel, and `ours~N` our engine whose decodes give way to waiting prompts for up to N
 steps in a row (`DECODE_DEFER_STEPS`), and `ours^N` our engine with N tokens per step while a full
-batch is running or waiting (`SATURATED_TOKENS_PER_STEP`), each run as a system of its own in the
-same rounds (`ours@512^1024~16:torch` all four).
+batch is running or waiting (`SATURATED_TOKENS_PER_STEP`), and `ours+N` our engine with N draft
+tokens per decode (`SPECULATIVE_TOKENS`; `ours+0`: none), each run as a system of its own in the
+same rounds (`ours@512^1024~16+8:torch` all five).
 
     python -m bench.peers --rounds 3 --out bench/results/peers-cpu.json
 """
@@ -49,9 +50,11 @@ from engine.loader import cpu_has_bf16
 PEERS = Path(__file__).resolve().parents[1] / ".peers"
 SYSTEMS = ("ours", "vllm", "llama")
 # our engine with that many tokens per step (@), while saturated (^), decodes deferred that many
-# steps (~), and/or that KV_KERNEL (:)
+# steps (~), that many draft tokens per decode (+), and/or that KV_KERNEL (:)
 # (`ours:torch`: decodes gathered)
-OURS = re.compile(r"ours(?:@(\d+))?(?:\^(\d+))?(?:~(\d+))?(?::(auto|torch|avx512|avx2|portable))?")
+OURS = re.compile(
+    r"ours(?:@(\d+))?(?:\^(\d+))?(?:~(\d+))?(?:\+(\d+))?(?::(auto|torch|avx512|avx2|portable))?"
+)
 
 
 def _ours_part(system: str, group: int) -> str | None:
@@ -74,9 +77,14 @@ def ours_defer(system: str) -> str | None:
     return _ours_part(system, 3)
 
 
+def ours_drafts(system: str) -> str | None:
+    """The SPECULATIVE_TOKENS `ours+N` names (None for any other system)."""
+    return _ours_part(system, 4)
+
+
 def ours_kernel(system: str) -> str | None:
     """The KV_KERNEL `ours:K` names (None for any other system)."""
-    return _ours_part(system, 4)
+    return _ours_part(system, 5)
 
 
 def is_ours(system: str) -> bool:
@@ -280,9 +288,9 @@ def peer_round(server: Server, prompts: list[list[int]], args: Any, round_: int,
 def ours_round(args: Any, round_: int, system: str = "ours") -> list[Result]:
     """Our engine in a fresh process, each scenario in turn (`bench.engine_bench --part`); `ours@N`
     with N tokens per step, `ours^N` with SATURATED_TOKENS_PER_STEP=N, `ours~N` with
-    DECODE_DEFER_STEPS=N, `ours:K` with KV_KERNEL=K."""
+    DECODE_DEFER_STEPS=N, `ours+N` with SPECULATIVE_TOKENS=N, `ours:K` with KV_KERNEL=K."""
     step, kernel, defer = ours_step(system), ours_kernel(system), ours_defer(system)
-    saturated = ours_saturated(system)
+    saturated, drafts = ours_saturated(system), ours_drafts(system)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "part.json"
         subprocess.run(
@@ -292,7 +300,8 @@ def ours_round(args: Any, round_: int, system: str = "ours") -> list[Result]:
              "--kv-cache-mib", "1024", "--warm-up", "--model", str(args.model), "--out", str(out),
              *(["--step-tokens", step] if step else []), *(["--kv-kernel", kernel] if kernel else []),
              *(["--decode-defer", defer] if defer else []),
-             *(["--saturated-step-tokens", saturated] if saturated else [])],
+             *(["--saturated-step-tokens", saturated] if saturated else []),
+             *(["--speculative-tokens", drafts] if drafts else [])],
             check=True, cwd=Path(__file__).resolve().parents[1],
         )  # fmt: skip
         runs = json.loads(out.read_text())["runs"]
@@ -359,6 +368,8 @@ def main() -> None:
     describe = {s: f"our engine (dynamic batching, max batch {args.max_batch}, 1 GiB KV, dtype auto"
                    f"{f', {ours_step(s)} tokens per step' if ours_step(s) else ''}"
                    f"{f', DECODE_DEFER_STEPS={ours_defer(s)}' if ours_defer(s) else ''}"
+                   f"{f', SATURATED_TOKENS_PER_STEP={ours_saturated(s)}' if ours_saturated(s) else ''}"
+                   f"{f', SPECULATIVE_TOKENS={ours_drafts(s)}' if ours_drafts(s) else ''}"
                    f"{f', KV_KERNEL={ours_kernel(s)}' if ours_kernel(s) else ''})"
                 for s in systems if is_ours(s)} | {k: s.describe for k, s in servers.items()}  # fmt: skip
     if "llama" in servers:

@@ -73,6 +73,14 @@ class EngineOptions(BaseModel):
         description="Steps in a row that running decodes give way to prompts waiting to be read (a "
         "burst's prompts read first, as vLLM's large steps do); 0: decodes first in every step.",
     )
+    speculative_tokens: int = Field(
+        default=4,
+        ge=0,
+        le=16,
+        description="Greedy decodes propose up to this many draft tokens by prompt lookup (what followed "
+        "the latest earlier occurrence of their last tokens in their own prompt or output) and verify "
+        "them in one step, where the step budget has room after the prompts; output unchanged; 0: off.",
+    )
     max_model_len: int = Field(
         default=8192,
         ge=16,

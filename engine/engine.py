@@ -26,6 +26,7 @@ import torch
 from engine.attention import register
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, SamplingParams
+from engine.drafts import NgramIndex
 from engine.kv_cache import KVShape
 from engine.kv_policy import CompressionConfig, Compressor, Moves, build_cache
 from engine.loader import LoadedModel, load_model
@@ -45,6 +46,7 @@ from engine.scoring import score_continuations
 from engine.sequence import Sequence, Status
 
 log = logging.getLogger(__name__)
+DRAFT_NGRAM = 3  # drafts follow the latest earlier occurrence of a decode's last 3 tokens (or fewer)
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,8 @@ class EngineStats:
     prefix_cached_blocks: int  # blocks holding a registered prefix, in use or evictable
     prefix_hit_tokens: int  # prompt tokens adopted from the cache instead of computed, since start
     prompt_reader: str = "torch"  # how prompt chunks read history: "native-<isa>" (in place), "torch"
+    num_draft_tokens: int = 0  # draft tokens proposed to decodes (prompt lookup), since start
+    num_accepted_drafts: int = 0  # of which the model agreed with: tokens that cost no step of their own
 
     @property
     def kv_ratio(self) -> float:
@@ -108,6 +112,7 @@ class Engine:
                 saturated_tokens_per_step=config.saturated_budget,
             ),
             self.blocks,
+            None if not config.speculative_tokens or config.pruning else self._draft,
         )
         self.runner = ModelRunner(loaded, self.cache, self.blocks, compression.attention_window)
         self._token_text: dict[int, str] = {}
@@ -118,6 +123,8 @@ class Engine:
         self._loop_task: asyncio.Task[None] | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._num_steps = 0
+        self._num_drafted = 0  # draft tokens proposed (speculative decoding)
+        self._num_accepted = 0  # of which the model agreed with
         self._num_scheduled = 0
         self._largest = 0
         self._num_finished = 0
@@ -315,6 +322,8 @@ class Engine:
             prefix_caching=self.blocks.prefix_caching,
             prefix_cached_blocks=self.blocks.num_cached,
             prefix_hit_tokens=self.blocks.num_cache_hits * self.blocks.block_size,
+            num_draft_tokens=self._num_drafted,
+            num_accepted_drafts=self._num_accepted,
         )
 
     # -- the step loop ------------------------------------------------------------------------
@@ -380,28 +389,54 @@ class Engine:
         for seq in [s for s in self._sequences.values() if s.request.cancelled]:
             self._finish(seq, "cancelled")
 
+    def _draft(self, seq: Sequence, room: int) -> tuple[int, ...]:
+        """Draft tokens for a decode (prompt lookup, `engine.drafts`): greedy requests only, never
+        past their last new token; none for sampled, forced or observed ones."""
+        request, params = seq.request, seq.request.params
+        if params.temperature > 0 or params.forced_ids or request.observer or request.hidden:
+            return ()
+        k = min(self.config.speculative_tokens, room, params.max_new_tokens - seq.num_output - 1)
+        if k <= 0:
+            return ()
+        if seq.ngrams is None:
+            seq.ngrams = NgramIndex(DRAFT_NGRAM)
+        return tuple(seq.ngrams.propose(seq.token_ids, k))
+
     def _postprocess(self, plan: Seq[Chunk], output: StepOutput, now: float) -> None:
-        for chunk, token in zip(plan, output.tokens, strict=True):
+        for chunk, tokens in zip(plan, output.tokens, strict=True):
             seq = chunk.seq
             if seq.status is Status.FINISHED:
                 continue
             self.scheduler.computed(chunk)
-            if token is None:
+            if not tokens:
                 continue
             if self.compressor.wants_pruning(seq):
                 self.compressor.prune(seq, output.scores.get(seq.seq_id))
-            params = seq.request.params
-            if token in self.eos_ids and not params.ignore_eos:
-                self._finish(seq, "stop")
-                continue
-            seq.token_ids.append(token)
-            seq.request.push(token, now)
-            if params.stop and self._hit_stop(seq):
-                self._finish(seq, "stop")
-            elif seq.num_output >= params.max_new_tokens or len(seq.token_ids) >= self.max_context:
-                self._finish(seq, "length")
-            elif seq.matcher is not None and seq.matcher.is_terminated():
-                self._finish(seq, "stop")
+            for i, token in enumerate(tokens):
+                if i:  # the token before this one was a draft the model agreed with: it is cached
+                    self.scheduler.accepted(seq)
+                    self._num_accepted += 1
+                if not self._emit(seq, token, now):
+                    break
+            if chunk.draft:
+                self._num_drafted += len(chunk.draft)
+                self.scheduler.release_drafts(seq)
+
+    def _emit(self, seq: Sequence, token: int, now: float) -> bool:
+        """Appends a generated token, or finishes the sequence; whether it goes on."""
+        params = seq.request.params
+        if token in self.eos_ids and not params.ignore_eos:
+            self._finish(seq, "stop")
+            return False
+        seq.token_ids.append(token)
+        seq.request.push(token, now)
+        if params.stop and self._hit_stop(seq):
+            self._finish(seq, "stop")
+        elif seq.num_output >= params.max_new_tokens or len(seq.token_ids) >= self.max_context:
+            self._finish(seq, "length")
+        elif seq.matcher is not None and seq.matcher.is_terminated():
+            self._finish(seq, "stop")
+        return seq.status is not Status.FINISHED
 
     def _text_of(self, token: int) -> str:
         if token not in self._token_text:

@@ -28,7 +28,9 @@ from engine.sequence import Sequence
 
 @dataclass(frozen=True)
 class StepOutput:
-    tokens: list[int | None]  # per chunk: its sampled token, if it reached its sequence's end
+    # per chunk: the tokens it yields if it reached its sequence's end (else none): the sampled
+    # token, or with a draft, the drafts the model agreed with and then the model's own next token
+    tokens: list[tuple[int, ...]]
     scores: dict[int, torch.Tensor]  # seq id -> attention its cached tokens received (to prune)
 
 
@@ -62,15 +64,15 @@ class ModelRunner:
         and the attention scores of the sequences that asked to be scored."""
         scores: dict[int, torch.Tensor] = {}
         logits = self.forward(plan, moves, scores)
-        sampling = [c.seq for c in plan if c.samples]
-        tokens = iter(self._sample(logits, sampling))
-        return StepOutput([next(tokens) if c.samples else None for c in plan], scores)
+        tokens = iter(self._sample(logits, [c for c in plan if c.samples]))
+        return StepOutput([next(tokens) if c.samples else () for c in plan], scores)
 
     @torch.inference_mode()
     def forward(
         self, plan: Seq[Chunk], moves: Moves | None = None, scores: dict[int, torch.Tensor] | None = None
     ) -> torch.Tensor:
-        """fp32 next-token logits (S, V), one row per chunk that reaches its sequence's end.
+        """fp32 next-token logits (S, V): one row per chunk that reaches its sequence's end, and
+        one more per draft token of such a chunk (its rows in order).
 
         `moves` are applied first: pruned sequences' tokens copied into their compacted blocks,
         then blocks leaving the recent window quantised. The scheduler has already changed the
@@ -90,27 +92,35 @@ class ModelRunner:
         positions: list[int] = []
         new_slots: list[torch.Tensor] = []
         seqs: list[SeqSlice] = []
-        last_rows: list[int] = []
+        last_rows: list[int] = []  # rows whose logits are kept
+        tap_rows: list[int] = []  # per sampling chunk, the row of its own last token
         step_scores: dict[int, torch.Tensor] = {}
+        observed: dict[int, int] = {}  # first row of a chunk to score -> its sequence
         for chunk in plan:
             seq = chunk.seq
-            end = chunk.start + chunk.num_tokens
+            end = chunk.start + chunk.num_tokens + len(chunk.draft)  # drafts follow the chunk's tokens
             table = self.blocks.table(seq.seq_id)
             observe = self.observe if chunk.samples and not seq.pruned and chunk.num_tokens > 1 else 0
             slots, cold, cold_tokens = self.cache.locate(table, end - seq.num_dropped)
             cold = None if cold is None else cold.to(self.device)
-            seqs.append(
-                SeqSlice(len(ids), chunk.num_tokens, slots.to(self.device), cold, cold_tokens, observe)
-            )
+            slots = slots.to(self.device)
+            if chunk.draft:  # each token attends as a decode of its own, to the history up to itself
+                for i in range(1 + len(chunk.draft)):
+                    held = slots[: slots.shape[0] - len(chunk.draft) + i]
+                    seqs.append(SeqSlice(len(ids) + i, 1, held, cold, cold_tokens))
+            else:
+                seqs.append(SeqSlice(len(ids), end - chunk.start, slots, cold, cold_tokens, observe))
             if observe:
                 step_scores[len(ids)] = torch.zeros(end - seq.num_dropped, device=self.device)
-            ids += seq.token_ids[chunk.start : end]
+                observed[len(ids)] = seq.seq_id
+            ids += seq.token_ids[chunk.start : chunk.start + chunk.num_tokens] + list(chunk.draft)
             positions += range(chunk.start, end)
             new_slots.append(
                 slots_of(table, end - seq.num_dropped, self.block_size, start=chunk.start - seq.num_dropped)
             )
             if chunk.samples:
-                last_rows.append(len(ids) - 1)
+                tap_rows.append(len(ids) - 1 - len(chunk.draft))
+                last_rows += range(tap_rows[-1], len(ids))
         # Decodes without a sliding window share one padded attention call per layer.
         sliding = getattr(self.model.config, "sliding_window", None) and getattr(
             self.model.config, "use_sliding_window", False
@@ -130,7 +140,7 @@ class ModelRunner:
         )
         sampling = [c.seq.request.hidden for c in plan if c.samples]
         hooks = _HiddenTaps(
-            self.layers, [(row, h) for row, h in zip(last_rows, sampling, strict=True) if h is not None]
+            self.layers, [(row, h) for row, h in zip(tap_rows, sampling, strict=True) if h is not None]
         )
         try:
             out = self.model(
@@ -143,35 +153,70 @@ class ModelRunner:
         finally:
             hooks.remove()
         if scores is not None:
-            starts = {s.q_start: c.seq.seq_id for s, c in zip(seqs, plan, strict=True)}
-            scores.update({starts[start]: value.cpu() for start, value in step_scores.items()})
+            scores.update({observed[start]: value.cpu() for start, value in step_scores.items()})
         logits: torch.Tensor = out.logits[0].float()  # (S, V): one row per sampling chunk
         return logits
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    def _sample(self, logits: torch.Tensor, chunks: list[Chunk]) -> list[tuple[int, ...]]:
+        """Per sampling chunk, its tokens: the sampled one, or after a draft, the drafts the
+        greedy choice agrees with, each followed by the model's own choice after it."""
         logits = logits[:, : self.vocab_size]
-        for row, seq in enumerate(seqs):
-            if seq.request.observer is not None:  # the model's own distribution, before any mask
-                seq.request.observer(logits[row])
-        constrained = [i for i, s in enumerate(seqs) if s.request.params.json_schema is not None]
+        firsts = [0]  # each chunk's first row: its own last token's; then one per draft token
+        for chunk in chunks:
+            firsts.append(firsts[-1] + 1 + len(chunk.draft))
+        for chunk, row in zip(chunks, firsts, strict=False):
+            if chunk.seq.request.observer is not None:  # the model's own distribution, before any mask
+                chunk.seq.request.observer(logits[row])
+        constrained = [i for i, c in enumerate(chunks) if c.seq.request.params.json_schema is not None]
         if constrained:
-            bitmask = allocate_bitmask(len(seqs), self.vocab_size)
-            for row in constrained:
-                seq = seqs[row]
-                if seq.matcher is None:
-                    seq.matcher = self.grammar().matcher(seq.request.params.json_schema or "")
-                seq.matcher.fill_next_token_bitmask(bitmask, row)
-            apply_bitmask(logits, bitmask.to(logits.device), constrained)
-        chosen = logits.argmax(dim=-1).tolist()  # (S,)
-        for row, seq in enumerate(seqs):
-            params = seq.request.params
+            bitmask = allocate_bitmask(len(logits), self.vocab_size)
+            masked: list[int] = []
+            for i in constrained:
+                masked += self._fill_masks(chunks[i], bitmask, firsts[i])
+            apply_bitmask(logits, bitmask.to(logits.device), masked)
+        chosen = logits.argmax(dim=-1).tolist()  # (rows,)
+        out: list[tuple[int, ...]] = []
+        for chunk, row in zip(chunks, firsts, strict=False):
+            seq, params = chunk.seq, chunk.seq.request.params
+            tokens = [int(chosen[row])]
             if params.forced_ids:
-                chosen[row] = params.forced_ids[seq.num_output]
+                tokens = [params.forced_ids[seq.num_output]]
             elif params.temperature > 0:
-                chosen[row] = _sample_row(logits[row], params.temperature, params.top_p, _generator(seq))
+                tokens = [_sample_row(logits[row], params.temperature, params.top_p, _generator(seq))]
+            for i, guess in enumerate(chunk.draft):  # drafts come only with greedy requests
+                if guess != tokens[-1]:
+                    break
+                tokens.append(int(chosen[row + 1 + i]))
             if seq.matcher is not None:
-                seq.matcher.accept_token(chosen[row])
-        return [int(t) for t in chosen]
+                for n, token in enumerate(tokens):
+                    seq.matcher.accept_token(token)
+                    if seq.matcher.is_terminated():  # the sequence ends here: nothing after counts
+                        del tokens[n + 1 :]
+                        break
+            out.append(tuple(tokens))
+        return out
+
+    def _fill_masks(self, chunk: Chunk, bitmask: torch.Tensor, row: int) -> list[int]:
+        """Fills the grammar's masks of a constrained chunk's rows (from `row`); returns them. A
+        draft's rows are masked as if the drafts before them were taken (the matcher accepts them
+        for that, then rolls back); after a draft the grammar refuses, or one that ends it, no
+        row is used."""
+        seq = chunk.seq
+        if seq.matcher is None:
+            seq.matcher = self.grammar().matcher(seq.request.params.json_schema or "")
+        seq.matcher.fill_next_token_bitmask(bitmask, row)
+        rows, taken = [row], 0
+        for guess in chunk.draft:
+            if not seq.matcher.accept_token(guess):
+                break
+            taken += 1
+            if seq.matcher.is_terminated():  # a stop token: the sequence would end there
+                break
+            seq.matcher.fill_next_token_bitmask(bitmask, row + taken)
+            rows.append(row + taken)
+        if taken:
+            seq.matcher.rollback(taken)
+        return rows
 
 
 class _HiddenTaps:

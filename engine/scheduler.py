@@ -23,6 +23,9 @@ Policy, in order, within a per-step token budget:
    least `max_running` requests (running or waiting): saturated, it makes every request wait for
    the batch as a whole, and larger steps read a backlog's prompts with fewer decodes riding along.
    Below that, a newcomer's first token waits behind the smaller step in flight.
+5. with a `draft` proposer (speculative decoding), the budget the prompts leave is shared out as
+   draft tokens: each decode in turn may carry up to that many guesses after its next token
+   (`Chunk.draft`), never more than its free blocks hold; prompts always go first.
 When the block pool cannot hold a decode, the youngest running sequence is preempted: its blocks
 are freed and it goes back to the front of the queue to be recomputed later, once all of it fits
 the free blocks (its generated tokens are kept, so its output does not change; a pruned sequence
@@ -35,6 +38,7 @@ Bookkeeping over `BlockManager`, no tensors. What KV compression quantises or dr
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
@@ -55,11 +59,16 @@ class SchedulerConfig:
             raise ValueError(f"need max_running >= 1 and a token budget >= it: {self}")
 
 
+# A decode's draft tokens, given the sequence and how many the step has room for (none: no guess)
+Drafter = Callable[[Sequence, int], tuple[int, ...]]
+
+
 @dataclass(frozen=True)
 class Chunk:
     seq: Sequence
     start: int  # first token index (== seq.num_computed when scheduled)
     num_tokens: int
+    draft: tuple[int, ...] = ()  # guessed tokens run after the chunk's own, to be verified (5. above)
 
     @property
     def samples(self) -> bool:
@@ -68,9 +77,10 @@ class Chunk:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, draft: Drafter | None = None) -> None:
         self.config = config
         self.blocks = blocks
+        self.draft = draft
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is the youngest
         self.num_preemptions = 0
@@ -95,8 +105,20 @@ class Scheduler:
 
     def computed(self, chunk: Chunk) -> None:
         """Records that the chunk's tokens are now in the cache (their blocks become reusable)."""
-        seq = chunk.seq
-        seq.num_computed = chunk.start + chunk.num_tokens
+        self._computed(chunk.seq, chunk.start + chunk.num_tokens)
+
+    def accepted(self, seq: Sequence) -> None:
+        """Records that one more of the sequence's draft tokens proved right: its keys and values,
+        computed with the draft, are in the cache (the token itself is already appended)."""
+        self._computed(seq, seq.num_computed + 1)
+
+    def release_drafts(self, seq: Sequence) -> None:
+        """Gives back the blocks beyond the sequence's next token, which held only rejected drafts."""
+        if seq.status is Status.RUNNING:
+            self.blocks.truncate(seq.seq_id, seq.num_cached + 1)
+
+    def _computed(self, seq: Sequence, num_computed: int) -> None:
+        seq.num_computed = num_computed
         if not seq.num_dropped:
             self.blocks.register(seq.seq_id, seq.token_ids, seq.num_computed)
 
@@ -128,7 +150,8 @@ class Scheduler:
                 return plan
         self._decodes_deferred = 0
         plan = self._plan_decodes()
-        return self._plan_prompts(admit, budget - len(plan), plan)
+        plan = self._plan_prompts(admit, budget - len(plan), plan)
+        return self._with_drafts(plan, budget - sum(c.num_tokens for c in plan))
 
     def _may_defer_decodes(self, admit: bool, budget: int) -> bool:
         """Whether a prompt waits to be read beside running decodes, and the pool would still hold
@@ -154,6 +177,25 @@ class Scheduler:
                     break
             if seq.status is Status.RUNNING:
                 plan.append(self._take(seq, 1))
+        return plan
+
+    def _with_drafts(self, plan: list[Chunk], room: int) -> list[Chunk]:
+        """The plan with the budget the prompts left shared out as draft tokens, decode by decode
+        (a draft never takes a block another sequence would need this step: only free ones)."""
+        if self.draft is None:
+            return plan
+        for i, chunk in enumerate(plan):
+            if room <= 0:
+                break
+            seq = chunk.seq
+            if chunk.num_tokens != 1 or not seq.is_decoding:
+                continue
+            draft = self.draft(seq, room)[:room]
+            if not draft or not self.blocks.can_allocate(seq.seq_id, seq.num_cached + 1 + len(draft)):
+                continue
+            self.blocks.allocate(seq.seq_id, seq.num_cached + 1 + len(draft))
+            plan[i] = Chunk(seq, chunk.start, 1, draft)
+            room -= len(draft)
         return plan
 
     def _plan_prompts(self, admit: bool, budget: int, plan: list[Chunk]) -> list[Chunk]:

@@ -11,6 +11,8 @@ from engine.request import Request
 if TYPE_CHECKING:
     import torch
 
+    from engine.drafts import NgramIndex
+
 
 class Status(Enum):
     WAITING = auto()
@@ -35,6 +37,7 @@ class Sequence:
     generator: torch.Generator | None = field(default=None, repr=False)
     prefix_keys: list[bytes] = field(default_factory=list, repr=False)  # its block keys, memoised
     final_text: str | None = None  # set when a stop string ended the sequence: the text before it
+    ngrams: NgramIndex | None = field(default=None, repr=False)  # its text's n-grams, for drafts
 
     @classmethod
     def of(cls, seq_id: int, request: Request) -> Sequence:

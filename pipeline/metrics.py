@@ -54,6 +54,7 @@ class Snapshot:
     prefix_hit_tokens: int = 0
     preemptions: int = 0
     steps: int = 0
+    accepted_drafts: int = 0
 
 
 class Metrics:
@@ -132,6 +133,8 @@ class Metrics:
              "Prompt tokens adopted from the prefix cache instead of computed."),
             ("deepanalyze.engine.preemptions", "preemptions", "Sequences preempted for want of KV blocks."),
             ("deepanalyze.engine.steps", "steps", "Forward passes the engine ran."),
+            ("deepanalyze.engine.accepted_draft_tokens", "accepted_drafts",
+             "Generated tokens that were draft tokens the model agreed with (no step of their own)."),
         )  # fmt: skip
         for name, attribute, description in totals:
             meter.create_observable_counter(name, [self._total(attribute)], description=description)

@@ -171,6 +171,7 @@ class Service:
             prefix_hit_tokens=stats.prefix_hit_tokens,
             preemptions=stats.num_preemptions,
             steps=stats.num_steps,
+            accepted_drafts=stats.num_accepted_drafts,
         )
 
     def broker_reachable(self) -> bool | None:

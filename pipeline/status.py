@@ -52,6 +52,9 @@ def status_report(service: Service) -> dict[str, Any]:
             "preemptions": stats.num_preemptions,
             "decode_attention": stats.decode_reader,  # "native-<isa>": read in place; "torch": gathered
             "prompt_attention": stats.prompt_reader,  # "native-<isa>": read in place; "torch": SDPA
+            # speculative decoding: draft tokens proposed by prompt lookup, and those the model took
+            "draft_tokens": stats.num_draft_tokens,
+            "accepted_drafts": stats.num_accepted_drafts,
         },
         "kv_pool": {
             "total_bytes": stats.kv_total_bytes,

@@ -17,6 +17,7 @@ from bench.peers import (
     _one,
     is_ours,
     ours_defer,
+    ours_drafts,
     ours_kernel,
     ours_saturated,
     ours_step,
@@ -106,3 +107,12 @@ def test_our_engine_at_another_step_size_is_compared_with_each_peer_and_with_the
         "torch",
     ]
     assert not is_ours("ours^") and not is_ours("ours~16^384")
+    five = "ours@192^384~16+8:torch"
+    assert [f(five) for f in (ours_step, ours_saturated, ours_defer, ours_drafts, ours_kernel)] == [
+        "192",
+        "384",
+        "16",
+        "8",
+        "torch",
+    ]
+    assert (ours_drafts("ours+0"), ours_drafts("ours~16"), is_ours("ours+")) == ("0", None, False)

@@ -408,3 +408,62 @@ async def test_stopping_leaves_no_error_behind_for_requests_their_callers_gave_u
     finally:
         loop.set_exception_handler(None)
     assert unretrieved == []
+
+
+async def test_drafted_decodes_change_no_token_and_save_steps(tiny: LoadedModel) -> None:
+    """Speculative decoding by prompt lookup: prompts that repeat themselves get drafts, the model
+    agrees with many of them (a tiny random model repeats itself too), and every output equals
+    recomputation, with drafts crossing block boundaries and a length limit inside a draft; the
+    same requests without drafts take more steps; every block comes back."""
+    prompts = [" ".join(["one two three four five"] * 6), "a b a b a b a b c a b c", *PROMPTS[:2]]
+    params = SamplingParams(max_new_tokens=23, ignore_eos=True)
+    stats = {}
+    for k in (0, 4):
+        engine = make_engine(
+            tiny, dynamic_batching=True, max_batch_size=4, dynamic_batch_window_ms=20, block_size=8,
+            speculative_tokens=k,
+        )  # fmt: skip
+        async with engine:
+            ids = [engine.format_chat([{"role": "user", "content": p}]) for p in prompts]
+            results = await asyncio.gather(*(engine.generate(i, params) for i in ids))
+            stats[k] = engine.stats()
+        for prompt_ids, result in zip(ids, results, strict=True):
+            assert result.token_ids == reference(tiny, prompt_ids, 23)
+            assert result.finish_reason == "length"
+        assert stats[k].kv_used_bytes == 0, "every block returned, the drafts' too"
+    assert stats[0].num_draft_tokens == 0
+    assert stats[4].num_accepted_drafts > 10, "the repeating prompts' drafts should often be right"
+    assert stats[4].num_accepted_drafts <= stats[4].num_draft_tokens
+    assert stats[4].num_steps < stats[0].num_steps
+
+
+async def test_drafts_under_a_json_schema_or_a_stop_string_change_no_token(tiny: LoadedModel) -> None:
+    """Drafts are masked by the grammar as the tokens before them would leave it (a draft the
+    grammar refuses ends the verification), and a stop string found inside accepted drafts
+    ends the output where it would have: the same results with and without drafts."""
+    schema = json.dumps(
+        {
+            "type": "object",
+            "properties": {"polarity": {"enum": ["positive", "negative"]}, "items": {"type": "array"}},
+            "required": ["polarity", "items"],
+        }
+    )
+    example = '{"polarity":"negative","items":["late","late","late"]}'
+    probe = make_engine(tiny)
+    ids = probe.format_chat([{"role": "user", "content": " ".join([example] * 4)}])
+    stop = probe.decode(reference(tiny, ids, 14)[9:11])  # a piece the free output reaches
+    requests = [
+        SamplingParams(max_new_tokens=48, json_schema=schema),
+        SamplingParams(max_new_tokens=30, stop=(stop,)),
+    ]
+    outcomes = {}
+    for k in (0, 4):
+        engine = make_engine(tiny, dynamic_batching=True, max_batch_size=2, speculative_tokens=k)
+        async with engine:
+            results = await asyncio.gather(*(engine.generate(ids, p) for p in requests))
+            outcomes[k] = [(r.token_ids, r.text, r.finish_reason) for r in results]
+            if k:
+                assert engine.stats().num_accepted_drafts > 0
+    assert outcomes[0] == outcomes[4]
+    json.loads(outcomes[4][0][1])
+    assert outcomes[4][1][2] == "stop" and stop not in outcomes[4][1][1]

@@ -105,7 +105,14 @@ def test_random_load_with_cancellations_pool_exhaustion_and_shared_prefixes(
             decode_defer_steps=seed % 2 * 4,  # decodes giving way to prompts keep every invariant too
             saturated_tokens_per_step=rng.choice([0, 96]),  # and larger steps while saturated
         )  # fmt: skip
-        scheduler = Scheduler(config, blocks)
+
+        def draft(seq: Sequence, room: int) -> tuple[int, ...]:  # random guesses, as many as allowed
+            left = seq.request.params.max_new_tokens - seq.num_output - 1
+            return tuple(rng.randrange(50) for _ in range(min(room, left, rng.randint(0, 5))))
+
+        # Decodes carry drafts (speculative decoding) on every other seed: every invariant holds too.
+        scheduler = Scheduler(config, blocks, draft if seed % 2 == 0 else None)
+        drafted = 0
         compression = CompressionConfig(
             quantising=True, residual_tokens=window, sink_tokens=sinks * block_size
         )
@@ -152,7 +159,8 @@ def test_random_load_with_cancellations_pool_exhaustion_and_shared_prefixes(
                 for i in range(block_size):
                     written[moved * block_size + i] = written[hot * block_size + i]
             # Invariants of every step.
-            assert sum(c.num_tokens for c in plan) <= budget
+            assert sum(c.num_tokens + len(c.draft) for c in plan) <= budget
+            assert all(c.seq.is_decoding and c.num_tokens == 1 for c in plan if c.draft)
             assert all(c.num_tokens > 0 for c in plan)
             assert len(scheduler.running) <= config.max_running
             assert len({id(c.seq) for c in plan}) == len(plan)
@@ -169,25 +177,39 @@ def test_random_load_with_cancellations_pool_exhaustion_and_shared_prefixes(
                 seq = chunk.seq
                 table = blocks.table(seq.seq_id)
                 assert seq.status is Status.RUNNING and chunk.start == seq.num_computed
-                assert len(table) * block_size >= chunk.start + chunk.num_tokens
+                end = chunk.start + chunk.num_tokens
+                assert len(table) * block_size >= end + len(chunk.draft)
                 slot = [b * block_size + i for b in table for i in range(block_size)]
                 history = [written.get(slot[p]) for p in range(chunk.start)]
                 expected = [(seq.token_ids[p], p) for p in range(chunk.start)]
                 assert history == expected, "the cache holds another prefix"
-                for p in range(chunk.start, chunk.start + chunk.num_tokens):
+                for p, token in enumerate([*seq.token_ids[chunk.start : end], *chunk.draft], chunk.start):
                     assert len(owners[table[p // block_size]]) == 1, "writing into a shared block"
                     assert not blocks.is_cold(table[p // block_size]), "writing into a quantised block"
-                    written[slot[p]] = (seq.token_ids[p], p)
+                    written[slot[p]] = (token, p)
             for chunk in plan:
                 seq = chunk.seq
                 scheduler.computed(chunk)
-                if chunk.samples:
-                    seq.token_ids.append(7)
+                if not chunk.samples:
+                    continue
+                # The model agrees with a random share of the draft, then samples its own token.
+                taken = chunk.draft[: rng.randint(0, len(chunk.draft))]
+                drafted += len(taken)
+                for i, token in enumerate([*taken, 7]):
+                    if i:
+                        scheduler.accepted(seq)
+                    seq.token_ids.append(token)
                     if seq.num_output >= seq.request.params.max_new_tokens:
                         scheduler.finish(seq)
                         live.remove(seq)
                         finished[seq.seq_id] = "done"
+                        break
+                if chunk.draft:
+                    scheduler.release_drafts(seq)
+                    held = len(blocks.table(seq.seq_id))
+                    assert held <= blocks.blocks_for(seq.num_cached + 1), "blocks past the next token go back"
         assert len(finished) == 1000, "every request ends: generated out, or cancelled"
+        assert (drafted > 1000) == (seed % 2 == 0)
         assert blocks.num_free == num_blocks, "every block returned"
         assert blocks.num_free_cold == cold
         assert (settled > 500) == bool(cold)

@@ -370,7 +370,7 @@ async def test_metrics_endpoint_exposes_latency_batches_queue_kv_lag_and_dead_le
     )
     assert value("deepanalyze_time_per_output_token_seconds_count", kind="complaint") >= 1
     assert value("deepanalyze_engine_generated_tokens_total") > 0
-    for total in ("prefix_cache_hit_tokens", "preemptions", "steps"):
+    for total in ("prefix_cache_hit_tokens", "preemptions", "steps", "accepted_draft_tokens"):
         assert f"deepanalyze_engine_{total}_total" in names
     assert {"process_cpu_seconds_total", "process_resident_memory_bytes"} <= names
     # Every series and label the Grafana dashboard and the alert rules query is in this scrape.

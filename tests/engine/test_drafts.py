@@ -1,0 +1,39 @@
+"""Prompt-lookup drafts: what follows the latest earlier occurrence of the longest matching tail."""
+
+from __future__ import annotations
+
+import random
+
+from engine.drafts import NgramIndex
+
+
+def lookup_by_hand(tokens: list[int], max_n: int, k: int) -> list[int]:
+    """The definition, searched directly: the longest tail (at most `max_n` tokens) that occurred
+    earlier, its latest earlier occurrence, and up to `k` tokens after it."""
+    for n in range(min(max_n, len(tokens) - 1), 0, -1):
+        tail = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == tail:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+def test_a_repeated_phrase_is_continued_from_its_latest_occurrence() -> None:
+    index = NgramIndex(max_n=3)
+    assert index.propose([7, 1, 2, 3, 9, 9, 1, 2, 3, 5, 6, 1, 2, 3], k=4) == [5, 6, 1, 2]
+    assert NgramIndex(max_n=3).propose([1, 2, 3, 4], k=4) == [], "no tail occurred before"
+    assert NgramIndex(max_n=3).propose([1, 2, 1], k=4) == [2, 1], "never past the end"
+    assert NgramIndex(max_n=3).propose([5, 5, 5], k=0) == []
+
+
+def test_incremental_index_proposes_what_the_definition_does() -> None:
+    """Grown a few tokens at a time, as a sequence decodes, the index proposes exactly what a
+    search of the whole list proposes, on random lists of a small vocabulary (many repeats)."""
+    rng = random.Random(0)
+    for trial in range(200):
+        max_n, k = rng.randint(1, 4), rng.randint(1, 6)
+        tokens = [rng.randrange(6) for _ in range(rng.randint(1, 20))]
+        index = NgramIndex(max_n)
+        for _ in range(30):
+            assert index.propose(tokens, k) == lookup_by_hand(tokens, max_n, k), (trial, tokens)
+            tokens += [rng.randrange(6) for _ in range(rng.randint(1, 3))]
