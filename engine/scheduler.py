@@ -23,9 +23,11 @@ Policy, in order, within a per-step token budget:
    least `max_running` requests (running or waiting): saturated, it makes every request wait for
    the batch as a whole, and larger steps read a backlog's prompts with fewer decodes riding along.
    Below that, a newcomer's first token waits behind the smaller step in flight.
-5. with a `draft` proposer (speculative decoding), the budget the prompts leave is shared out as
-   draft tokens: each decode in turn may carry up to that many guesses after its next token
-   (`Chunk.draft`), never more than its free blocks hold; prompts always go first.
+5. with a `draft` proposer (speculative decoding), a step of decodes alone shares its budget out
+   as draft tokens: each decode in turn may carry guesses after its next token (`Chunk.draft`),
+   never more than the free blocks hold. Never beside prompt chunks: a step that reads a prompt
+   is bound by compute, where a guess costs what a prompt token costs, while a step of decodes
+   alone is bound by reading the weights, and its extra rows are nearly free.
 When the block pool cannot hold a decode, the youngest running sequence is preempted: its blocks
 are freed and it goes back to the front of the queue to be recomputed later, once all of it fits
 the free blocks (its generated tokens are kept, so its output does not change; a pruned sequence
@@ -180,16 +182,14 @@ class Scheduler:
         return plan
 
     def _with_drafts(self, plan: list[Chunk], room: int) -> list[Chunk]:
-        """The plan with the budget the prompts left shared out as draft tokens, decode by decode
+        """A plan of decodes alone with its budget shared out as draft tokens, decode by decode
         (a draft never takes a block another sequence would need this step: only free ones)."""
-        if self.draft is None:
+        if self.draft is None or any(c.num_tokens > 1 or not c.seq.is_decoding for c in plan):
             return plan
         for i, chunk in enumerate(plan):
             if room <= 0:
                 break
             seq = chunk.seq
-            if chunk.num_tokens != 1 or not seq.is_decoding:
-                continue
             draft = self.draft(seq, room)[:room]
             if not draft or not self.blocks.can_allocate(seq.seq_id, seq.num_cached + 1 + len(draft)):
                 continue

@@ -160,7 +160,8 @@ def test_random_load_with_cancellations_pool_exhaustion_and_shared_prefixes(
                     written[moved * block_size + i] = written[hot * block_size + i]
             # Invariants of every step.
             assert sum(c.num_tokens + len(c.draft) for c in plan) <= budget
-            assert all(c.seq.is_decoding and c.num_tokens == 1 for c in plan if c.draft)
+            if any(c.draft for c in plan):  # drafts only in a step of decodes alone
+                assert all(c.seq.is_decoding and c.num_tokens == 1 for c in plan)
             assert all(c.num_tokens > 0 for c in plan)
             assert len(scheduler.running) <= config.max_running
             assert len({id(c.seq) for c in plan}) == len(plan)
@@ -508,5 +509,48 @@ def test_random_load_with_pruning_and_quantised_blocks(seed: int) -> None:
         assert finished == 300
         assert pruned > 100
         assert (blocks.num_free, blocks.num_free_cold) == (24, 48), "every block returned"
+    finally:
+        loop.close()
+
+
+def test_drafts_fill_a_step_of_decodes_alone_within_budget_and_free_blocks() -> None:
+    """Drafts ride only in steps without prompt chunks, decode by decode until the budget is
+    spent, and never take more blocks than are free."""
+    loop = asyncio.new_event_loop()
+    try:
+        asked: list[int] = []
+
+        def draft(seq: Sequence, room: int) -> tuple[int, ...]:
+            asked.append(room)
+            return (9,) * 4
+
+        blocks = BlockManager(16, 4)
+        scheduler = Scheduler(SchedulerConfig(max_running=4, max_tokens_per_step=10), blocks, draft)
+        first, second = make_sequence(1, 3, 50, loop), make_sequence(2, 3, 50, loop)
+        for seq in (first, second):
+            scheduler.add(seq)
+        run_plan(scheduler.schedule(admit=True))  # both prompts and first tokens: now decoding
+        long = make_sequence(3, 9, 5, loop)
+        scheduler.add(long)
+        plan = scheduler.schedule(admit=True)  # decodes and a prompt chunk: no drafts
+        assert [(c.seq.seq_id, c.num_tokens, c.draft) for c in plan] == [(1, 1, ()), (2, 1, ()), (3, 8, ())]
+        assert not asked
+        run_plan(plan)
+        plan = scheduler.schedule(admit=True)  # the prompt's last token: still no drafts
+        assert not any(c.draft for c in plan) and not asked
+        run_plan(plan)
+        plan = scheduler.schedule(admit=True)  # decodes alone: 3 tokens, 7 left to share out
+        assert [len(c.draft) for c in plan] == [4, 3, 0] and asked == [7, 3]
+        run_plan(plan)
+        for c in plan:
+            scheduler.release_drafts(c.seq)
+        assert blocks.num_free == 16 - sum(blocks.blocks_for(s.num_cached + 1) for s in (first, second, long))
+        tight = BlockManager(2, 4)  # one block each: no free block for a draft to spill into
+        scheduler = Scheduler(SchedulerConfig(max_running=2, max_tokens_per_step=10), tight, draft)
+        for seq in (make_sequence(4, 2, 50, loop), make_sequence(5, 2, 50, loop)):
+            scheduler.add(seq)
+        run_plan(scheduler.schedule(admit=True))
+        plan = scheduler.schedule(admit=True)
+        assert [len(c.draft) for c in plan] == [0, 0], "a draft that needs a block nobody has waits"
     finally:
         loop.close()
