@@ -5,14 +5,37 @@ earlier occurrence of its last `max_n` tokens (or fewer, down to one) in its pro
 analysis quotes its document, so its drafts are often right. The engine feeds a decode's drafts
 after its next token in one step and keeps the longest prefix the model itself would have chosen,
 plus the model's own token after it: greedy output is unchanged, and a step yields 1 to k + 1
-tokens. Only token ids here; which requests may draft, and how many tokens a step can carry, is
-the engine's and the scheduler's.
+tokens. Which requests may guess is decided here (`PromptLookup`, the scheduler's drafter); how
+many tokens a step can carry, by the scheduler.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+
+from engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class PromptLookup:
+    """Up to `tokens` guesses for a greedy decode (`max_n`: the longest tail looked up), never past
+    its last new token; none for sampled, teacher-forced or observed requests, whose every token
+    must come from its own step."""
+
+    tokens: int
+    max_n: int = 3
+
+    def __call__(self, seq: Sequence, room: int) -> tuple[int, ...]:
+        request, params = seq.request, seq.request.params
+        if params.temperature > 0 or params.forced_ids or request.observer or request.hidden:
+            return ()
+        k = min(self.tokens, room, params.max_new_tokens - seq.num_output - 1)
+        if k <= 0:
+            return ()
+        if seq.ngrams is None:
+            seq.ngrams = NgramIndex(self.max_n)
+        return tuple(seq.ngrams.propose(seq.token_ids, k))
 
 
 @dataclass

@@ -26,7 +26,7 @@ import torch
 from engine.attention import register
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, SamplingParams
-from engine.drafts import NgramIndex
+from engine.drafts import PromptLookup
 from engine.kv_cache import KVShape
 from engine.kv_policy import CompressionConfig, Compressor, Moves, build_cache
 from engine.loader import LoadedModel, load_model
@@ -46,7 +46,6 @@ from engine.scoring import score_continuations
 from engine.sequence import Sequence, Status
 
 log = logging.getLogger(__name__)
-DRAFT_NGRAM = 3  # drafts follow the latest earlier occurrence of a decode's last 3 tokens (or fewer)
 
 
 @dataclass(frozen=True)
@@ -102,6 +101,7 @@ class Engine:
         self.blocks = BlockManager(num_blocks, config.block_size, prefix_caching, num_cold)
         compression = CompressionConfig.of(config)
         self.compressor = Compressor(compression, self.blocks, self._text_of)
+        pruning = config.pruning  # guesses and KV pruning are not combined (never tested together)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_running=config.effective_batch_size,
@@ -112,7 +112,7 @@ class Engine:
                 saturated_tokens_per_step=config.saturated_budget,
             ),
             self.blocks,
-            None if not config.speculative_tokens or config.pruning else self._draft,
+            PromptLookup(config.speculative_tokens) if config.speculative_tokens and not pruning else None,
         )
         self.runner = ModelRunner(loaded, self.cache, self.blocks, compression.attention_window)
         self._token_text: dict[int, str] = {}
@@ -388,19 +388,6 @@ class Engine:
     def _drop_cancelled(self) -> None:
         for seq in [s for s in self._sequences.values() if s.request.cancelled]:
             self._finish(seq, "cancelled")
-
-    def _draft(self, seq: Sequence, room: int) -> tuple[int, ...]:
-        """Draft tokens for a decode (prompt lookup, `engine.drafts`): greedy requests only, never
-        past their last new token; none for sampled, forced or observed ones."""
-        request, params = seq.request, seq.request.params
-        if params.temperature > 0 or params.forced_ids or request.observer or request.hidden:
-            return ()
-        k = min(self.config.speculative_tokens, room, params.max_new_tokens - seq.num_output - 1)
-        if k <= 0:
-            return ()
-        if seq.ngrams is None:
-            seq.ngrams = NgramIndex(DRAFT_NGRAM)
-        return tuple(seq.ngrams.propose(seq.token_ids, k))
 
     def _postprocess(self, plan: Seq[Chunk], output: StepOutput, now: float) -> None:
         for chunk, tokens in zip(plan, output.tokens, strict=True):

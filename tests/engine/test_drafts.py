@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
+from typing import Any
 
-from engine.drafts import NgramIndex
+from engine.config import SamplingParams
+from engine.drafts import NgramIndex, PromptLookup
+from engine.request import Request
+from engine.sequence import Sequence
 
 
 def lookup_by_hand(tokens: list[int], max_n: int, k: int) -> list[int]:
@@ -37,3 +42,27 @@ def test_incremental_index_proposes_what_the_definition_does() -> None:
         for _ in range(30):
             assert index.propose(tokens, k) == lookup_by_hand(tokens, max_n, k), (trial, tokens)
             tokens += [rng.randrange(6) for _ in range(rng.randint(1, 3))]
+
+
+def test_only_greedy_requests_guess_and_never_past_their_last_new_token() -> None:
+    """Sampled, teacher-forced and observed requests never guess (each of their tokens must come
+    from a step of its own); a greedy one guesses at most what the step's room and its remaining
+    new tokens allow."""
+    loop = asyncio.new_event_loop()
+    try:
+        prompt = [1, 2, 3, 4, 5, 6, 1, 2, 3]  # its tail occurred before: 4, 5, 6, 1, ... follow
+
+        def seq(params: SamplingParams, **observers: Any) -> Sequence:
+            return Sequence.of(0, Request(0, prompt, params, loop, **observers))
+
+        lookup = PromptLookup(tokens=4)
+        assert lookup(seq(SamplingParams(max_new_tokens=10)), room=100) == (4, 5, 6, 1)
+        assert lookup(seq(SamplingParams(max_new_tokens=10)), room=2) == (4, 5)
+        assert lookup(seq(SamplingParams(max_new_tokens=3)), room=100) == (4, 5), "2 left after the next"
+        assert lookup(seq(SamplingParams(max_new_tokens=1)), room=100) == ()
+        assert lookup(seq(SamplingParams(max_new_tokens=10, temperature=0.7)), room=100) == ()
+        assert lookup(seq(SamplingParams(max_new_tokens=2, forced_ids=(7, 7))), room=100) == ()
+        assert lookup(seq(SamplingParams(max_new_tokens=10), observer=lambda _: None), room=100) == ()
+        assert lookup(seq(SamplingParams(max_new_tokens=10), hidden=(1, lambda _: None)), room=100) == ()
+    finally:
+        loop.close()
