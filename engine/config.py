@@ -79,7 +79,8 @@ class EngineOptions(BaseModel):
         le=16,
         description="Greedy decodes propose up to this many draft tokens by prompt lookup (what followed "
         "the latest earlier occurrence of their last tokens in their own prompt or output) and verify "
-        "them in one step, where the step budget has room after the prompts; output unchanged; 0: off.",
+        "them in one step, in steps of decodes alone; the greedy output in exact arithmetic (in bf16 a "
+        "near-tie can flip, as with batching order); 0: off.",
     )
     max_model_len: int = Field(
         default=8192,
