@@ -2,7 +2,8 @@
 
 Owns every tensor of a step. The step's layout (`StepBatch`) travels as a forward keyword to the
 registered paged attention function; `logits_to_keep` selects the last token of each chunk that
-samples. Sampling (greedy or temperature/top-p with a per-request seed) runs on fp32 logits after
+samples, and each of its draft tokens (speculative decoding: verified here against the greedy
+choice). Sampling (greedy or temperature/top-p with a per-request seed) runs on fp32 logits after
 the grammar mask. Runs on the engine's worker thread; returns tokens, mutates no scheduler state.
 """
 
