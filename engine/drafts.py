@@ -4,9 +4,10 @@ A sequence's next tokens are guessed from its own text: the tokens that followed
 earlier occurrence of its last `max_n` tokens (or fewer, down to one) in its prompt or output. An
 analysis quotes its document, so its drafts are often right. The engine feeds a decode's drafts
 after its next token in one step and keeps the longest prefix the model itself would have chosen,
-plus the model's own token after it: greedy output is unchanged, and a step yields 1 to k + 1
-tokens. Which requests may guess is decided here (`PromptLookup`, the scheduler's drafter); how
-many tokens a step can carry, by the scheduler.
+plus the model's own token after it: the greedy output is the same in exact arithmetic (in bf16
+a near-tie can flip, as batching order flips it), and a step yields 1 to k + 1 tokens. Which
+requests may guess is decided here (`PromptLookup`, the scheduler's drafter); how many tokens a
+step can carry, by the scheduler.
 """
 
 from __future__ import annotations
