@@ -51,18 +51,20 @@ def model_path(arg: Path | None) -> Path:
 
 async def analysis_engine(arg: Path | None, **settings: Any) -> Engine:
     """The engine the analysis benchmarks (quality, injection, probe) run `model_path(arg)` on:
-    dynamic batching, 16 at once, a 1 GiB pool, `settings` (engine options, e.g. a KV compression
-    profile), the rest the defaults."""
+    dynamic batching, 16 at once, a 1 GiB pool, then `settings` (engine options, e.g. a KV
+    compression profile, which may replace those), the rest the defaults."""
     import asyncio
 
     from engine import Engine, EngineConfig
 
     config = EngineConfig(
-        model_path=model_path(arg),
-        dynamic_batching=True,
-        max_batch_size=16,
-        kv_cache_bytes=1 << 30,
-        **settings,
+        **{
+            "model_path": model_path(arg),
+            "dynamic_batching": True,
+            "max_batch_size": 16,
+            "kv_cache_bytes": 1 << 30,
+            **settings,
+        }
     )
     return await asyncio.to_thread(Engine.from_config, config)
 

@@ -136,6 +136,8 @@ def in_child(args: Any, variants: str, scenarios: str, isolation: bool) -> dict[
             options += ["--saturated-step-tokens", str(args.saturated_step_tokens)]
         if args.speculative_tokens is not None:
             options += ["--speculative-tokens", str(args.speculative_tokens)]
+        if args.speculative_step_tokens is not None:
+            options += ["--speculative-step-tokens", str(args.speculative_step_tokens)]
         options += ["--prompt-ids", str(args.prompt_ids)] if args.prompt_ids else []
         if args.random_shape:
             options += ["--random-shape", args.random_shape, "--tokenizer", str(args.tokenizer)]
@@ -169,6 +171,11 @@ def main() -> None:
     parser.add_argument(
         "--speculative-tokens", type=int, default=None,
         help="the engine's SPECULATIVE_TOKENS: draft tokens per decode by prompt lookup (unset: the default)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--speculative-step-tokens", type=int, default=None,
+        help="the engine's SPECULATIVE_STEP_TOKENS: the most tokens, decodes and their guesses, a step of "
+        "decodes alone carries (0: its budget; unset: the default)",
     )  # fmt: skip
     parser.add_argument("--rate", type=float, default=0.5, help="stream arrivals per second")
     parser.add_argument(
@@ -274,6 +281,7 @@ def main() -> None:
             kv_kernel=args.kv_kernel, decode_defer_steps=defer,
             prompt_attention="torch" if variant in SDPA_VARIANTS else "auto",
             saturated_tokens_per_step=args.saturated_step_tokens, speculative_tokens=args.speculative_tokens,
+            speculative_step_tokens=args.speculative_step_tokens,
         )  # fmt: skip
 
     cuda = loaded.device.type == "cuda"

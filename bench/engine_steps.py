@@ -116,6 +116,12 @@ def main() -> None:
         default=None,
         help="the engine's SPECULATIVE_TOKENS (unset: its default)",
     )
+    parser.add_argument(
+        "--speculative-step-tokens",
+        type=int,
+        default=None,
+        help="the engine's SPECULATIVE_STEP_TOKENS (0: the step's budget; unset: its default)",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/engine-steps.json"))
     args = parser.parse_args()
     console = Console(width=160)
@@ -130,7 +136,8 @@ def main() -> None:
         run = engine_run(loaded, prompts, args.new_tokens, [0.0] * len(prompts), True, args.max_batch,
                          args.step_tokens, True, 1 << 30, kv_kernel=kernel,
                          decode_defer_steps=args.decode_defer,
-                         speculative_tokens=args.speculative_tokens)  # fmt: skip
+                         speculative_tokens=args.speculative_tokens,
+                         speculative_step_tokens=args.speculative_step_tokens)  # fmt: skip
     finally:
         for call in undo:
             call()

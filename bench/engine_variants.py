@@ -209,9 +209,17 @@ def engine_run(
     prompt_attention: PromptAttention = "auto",
     saturated_tokens_per_step: int | None = None,
     speculative_tokens: int | None = None,
+    speculative_step_tokens: int | None = None,
 ) -> Run:
     async def go() -> Run:
-        drafts = {} if speculative_tokens is None else {"speculative_tokens": speculative_tokens}
+        drafts = {
+            name: value
+            for name, value in (
+                ("speculative_tokens", speculative_tokens),
+                ("speculative_step_tokens", speculative_step_tokens),
+            )
+            if value is not None
+        }
         config = EngineConfig(
             model_path=Path("bench"), dynamic_batching=dynamic, max_batch_size=max_batch,
             kv_cache_bytes=kv_cache_bytes, max_tokens_per_step=budget, prefix_caching=prefix_caching,

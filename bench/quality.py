@@ -4,6 +4,8 @@
     MODEL=qwen2.5-coder-1.5b python -m bench.quality --out bench/results/quality-cpu-1.5b.json
     python -m bench.quality --ask policy     # only what the service asks: its documents/min
     python -m bench.quality --ask policy --kv-profile int4+int8@5-w0   # under a KV compression profile
+    python -m bench.quality --ask policy --speculative-tokens 0        # greedy decodes guess nothing
+    python -m bench.quality --ask policy --max-batch 8                 # another batching order
 
 Three parts, each on the same `pipeline.analyzer.Analyzer` the service runs:
 
@@ -345,7 +347,15 @@ def team_rows(path: Path) -> list[dict[str, Any]]:
 
 async def run(args: Any) -> dict[str, Any]:
     settings = KV_PROFILES[args.kv_profile]
-    engine = await common.analysis_engine(args.model, **settings)
+    options = {
+        name: value
+        for name, value in (
+            ("speculative_tokens", args.speculative_tokens),
+            ("max_batch_size", args.max_batch),
+        )
+        if value is not None
+    }
+    engine = await common.analysis_engine(args.model, **settings, **options)
     # Every side question is asked and stored (so that `--tune` and the comparison below can replay
     # them); the labels are decided by the service's default policy, which uses the ones it names.
     # The service's policy for this model; the content-free priors are measured and stored all the same.
@@ -369,6 +379,8 @@ async def run(args: Any) -> dict[str, Any]:
         "per_language": args.per_language,
         "asked": args.ask,
         "kv_profile": {"name": args.kv_profile, "settings": settings},
+        "speculative_tokens": engine.config.speculative_tokens,
+        "max_batch": engine.config.max_batch_size,
     }
     async with engine:
         await analyzer.prepare()
@@ -563,6 +575,19 @@ def main() -> None:
         choices=sorted(KV_PROFILES),
         default="off",
         help="the engine's KV compression profile (bench.kv_quality's profiles; default: none)",
+    )
+    parser.add_argument(
+        "--speculative-tokens",
+        type=int,
+        default=None,
+        help="the engine's SPECULATIVE_TOKENS (draft tokens a greedy decode guesses; 0: none; default: "
+        "the engine's)",
+    )
+    parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=None,
+        help="the engine's MAX_BATCH_SIZE (default 16): another batching order, for bf16's floor",
     )
     parser.add_argument(
         "--split",

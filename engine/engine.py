@@ -110,6 +110,7 @@ class Engine:
                 together_s=config.dynamic_batch_window_ms / 1000 if config.dynamic_batching else 0.0,
                 decode_defer_steps=config.decode_defer_steps,
                 saturated_tokens_per_step=config.saturated_budget,
+                draft_step_tokens=config.speculative_step_tokens,
             ),
             self.blocks,
             PromptLookup(config.speculative_tokens) if config.speculative_tokens and not pruning else None,

@@ -24,10 +24,12 @@ Policy, in order, within a per-step token budget:
    the batch as a whole, and larger steps read a backlog's prompts with fewer decodes riding along.
    Below that, a newcomer's first token waits behind the smaller step in flight.
 5. with a `draft` proposer (speculative decoding), a step of decodes alone shares its budget out
-   as draft tokens: each decode in turn may carry guesses after its next token (`Chunk.draft`),
+   as draft tokens: each decode may carry guesses after its next token (`Chunk.draft`), an equal
+   share of `draft_step_tokens` less the decodes (0: each in turn what the budget has left),
    never more than the free blocks hold. Never beside prompt chunks: a step that reads a prompt
    is bound by compute, where a guess costs what a prompt token costs, while a step of decodes
-   alone is bound by reading the weights, and its extra rows are nearly free.
+   alone is bound by reading the weights, and its first extra rows are nearly free: so a few
+   guesses each in a full batch, many for the last decodes of a burst.
 When the block pool cannot hold a decode, the youngest running sequence is preempted: its blocks
 are freed and it goes back to the front of the queue to be recomputed later, once all of it fits
 the free blocks (its generated tokens are kept, so its output does not change; a pruned sequence
@@ -55,6 +57,9 @@ class SchedulerConfig:
     together_s: float = 0.0  # requests arriving within this of each other form one batch (the window)
     decode_defer_steps: int = 0  # steps in a row that decodes may give way to prompts (3. above)
     saturated_tokens_per_step: int = 0  # the budget while saturated (4. above); 0: max_tokens_per_step
+    draft_step_tokens: int = (
+        0  # a step of decodes alone, with drafts, carries at most this (5. above); 0: budget
+    )
 
     def __post_init__(self) -> None:
         if self.max_running < 1 or self.max_tokens_per_step < self.max_running:
@@ -182,15 +187,20 @@ class Scheduler:
         return plan
 
     def _with_drafts(self, plan: list[Chunk], room: int) -> list[Chunk]:
-        """A plan of decodes alone with its budget shared out as draft tokens, decode by decode
-        (a draft never takes a block another sequence would need this step: only free ones)."""
-        if self.draft is None or any(c.num_tokens > 1 or not c.seq.is_decoding for c in plan):
+        """A plan of decodes alone with its room shared out as draft tokens: equal shares of
+        `draft_step_tokens` less the decodes, or (0) decode by decode what the budget has left (a
+        draft never takes a block another sequence would need this step: only free ones)."""
+        if self.draft is None or not plan or any(c.num_tokens > 1 or not c.seq.is_decoding for c in plan):
             return plan
+        share = room
+        if self.config.draft_step_tokens:
+            room = min(room, self.config.draft_step_tokens - len(plan))
+            share = room // len(plan)
         for i, chunk in enumerate(plan):
-            if room <= 0:
+            if room <= 0 or share <= 0:
                 break
             seq = chunk.seq
-            draft = self.draft(seq, room)[:room]
+            draft = self.draft(seq, min(share, room))[:room]
             if not draft or not self.blocks.can_allocate(seq.seq_id, seq.num_cached + 1 + len(draft)):
                 continue
             self.blocks.allocate(seq.seq_id, seq.num_cached + 1 + len(draft))

@@ -104,6 +104,7 @@ def test_random_load_with_cancellations_pool_exhaustion_and_shared_prefixes(
             max_running=rng.choice([1, 4, 8]), max_tokens_per_step=rng.choice([16, 64]),
             decode_defer_steps=seed % 2 * 4,  # decodes giving way to prompts keep every invariant too
             saturated_tokens_per_step=rng.choice([0, 96]),  # and larger steps while saturated
+            draft_step_tokens=rng.choice([0, 24]),  # and drafts in turn or in equal shares
         )  # fmt: skip
 
         def draft(seq: Sequence, room: int) -> tuple[int, ...]:  # random guesses, as many as allowed
@@ -552,5 +553,35 @@ def test_drafts_fill_a_step_of_decodes_alone_within_budget_and_free_blocks() -> 
         run_plan(scheduler.schedule(admit=True))
         plan = scheduler.schedule(admit=True)
         assert [len(c.draft) for c in plan] == [0, 0], "a draft that needs a block nobody has waits"
+    finally:
+        loop.close()
+
+
+def test_drafts_share_the_step_tokens_equally_so_fewer_decodes_guess_further() -> None:
+    """With `draft_step_tokens` T, each of a step's m decodes may guess (T - m) // m tokens (within
+    the budget): a full batch a few each, the last decodes of a burst many; none once m > T / 2."""
+    loop = asyncio.new_event_loop()
+    try:
+        asked: list[int] = []
+
+        def draft(seq: Sequence, room: int) -> tuple[int, ...]:
+            asked.append(room)
+            return (9,) * room
+
+        def decoding(count: int, step_tokens: int, budget: int = 40) -> list[Chunk]:
+            asked.clear()
+            config = SchedulerConfig(max_running=8, max_tokens_per_step=budget, draft_step_tokens=step_tokens)
+            scheduler = Scheduler(config, BlockManager(64, 4), draft)
+            for i in range(count):
+                scheduler.add(make_sequence(i, 3, 50, loop))
+            run_plan(scheduler.schedule(admit=True))  # prompts and first tokens: now decoding
+            return scheduler.schedule(admit=True)
+
+        plan = decoding(3, step_tokens=12)
+        assert [len(c.draft) for c in plan] == [3, 3, 3] and asked == [3, 3, 3]
+        assert [len(c.draft) for c in decoding(1, step_tokens=12)] == [11]
+        assert [len(c.draft) for c in decoding(1, step_tokens=60)] == [39], "never past the budget"
+        assert [len(c.draft) for c in decoding(7, step_tokens=12)] == [0] * 7 and not asked
+        assert [len(c.draft) for c in decoding(3, step_tokens=0)] == [37, 0, 0], "0: the budget, in turn"
     finally:
         loop.close()
