@@ -74,7 +74,7 @@ class EngineOptions(BaseModel):
         "burst's prompts read first, as vLLM's large steps do); 0: decodes first in every step.",
     )
     speculative_tokens: int = Field(
-        default=8,
+        default=4,
         ge=0,
         le=16,
         description="Greedy decodes propose up to this many draft tokens by prompt lookup (what followed "
@@ -88,7 +88,7 @@ class EngineOptions(BaseModel):
         description="A step of decodes alone carries at most this many tokens, decodes and their draft "
         "tokens, shared out equally among its decodes (each at most SPECULATIVE_TOKENS): a draft costs a "
         "row of the step whether the model takes it or not, and on the CPU ~65 rows cost what reading the "
-        "weights once does, so a full batch guesses a few tokens each and a lone decode up to "
+        "weights once does, so a full batch of 32 guesses one token each and a dozen decodes or fewer up to "
         "SPECULATIVE_TOKENS; 0: only the step's budget bounds them, decode by decode.",
     )
     max_model_len: int = Field(
