@@ -83,13 +83,13 @@ class EngineOptions(BaseModel):
         "near-tie can flip, as with batching order); 0: off.",
     )
     speculative_step_tokens: int = Field(
-        default=64,
+        default=0,
         ge=0,
-        description="A step of decodes alone carries at most this many tokens, decodes and their draft "
-        "tokens, shared out equally among its decodes (each at most SPECULATIVE_TOKENS): a draft costs a "
-        "row of the step whether the model takes it or not, and on the CPU ~65 rows cost what reading the "
-        "weights once does, so a full batch of 32 guesses one token each and a dozen decodes or fewer up to "
-        "SPECULATIVE_TOKENS; 0: only the step's budget bounds them, decode by decode.",
+        description="When set, a step of decodes alone carries at most this many tokens, decodes and their "
+        "draft tokens, shared out equally among its decodes (each at most SPECULATIVE_TOKENS): 64 gives a "
+        "full batch of 32 one guess each and a dozen decodes or fewer SPECULATIVE_TOKENS (measured slower "
+        "end to end on the CPU's burst and stream than 0); 0: the step's budget alone bounds them, decode "
+        "by decode.",
     )
     max_model_len: int = Field(
         default=8192,

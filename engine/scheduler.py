@@ -28,8 +28,8 @@ Policy, in order, within a per-step token budget:
    share of `draft_step_tokens` less the decodes (0: each in turn what the budget has left),
    never more than the free blocks hold. Never beside prompt chunks: a step that reads a prompt
    is bound by compute, where a guess costs what a prompt token costs, while a step of decodes
-   alone is bound by reading the weights, and only its first extra rows are nearly free: so a
-   guess or two each in a full batch, many for the last decodes of a burst.
+   alone is bound by reading the weights, and its extra rows cost far less than steps of their
+   own (equal shares: fewer guesses each in a full batch, measured slower end to end on the CPU).
 When the block pool cannot hold a decode, the youngest running sequence is preempted: its blocks
 are freed and it goes back to the front of the queue to be recomputed later, once all of it fits
 the free blocks (its generated tokens are kept, so its output does not change; a pruned sequence
