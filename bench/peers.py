@@ -295,7 +295,8 @@ def peer_round(server: Server, prompts: list[list[int]], args: Any, round_: int,
 def ours_round(args: Any, round_: int, system: str = "ours") -> list[Result]:
     """Our engine in a fresh process, each scenario in turn (`bench.engine_bench --part`); `ours@N`
     with N tokens per step, `ours^N` with SATURATED_TOKENS_PER_STEP=N, `ours~N` with
-    DECODE_DEFER_STEPS=N, `ours+N` with SPECULATIVE_TOKENS=N, `ours:K` with KV_KERNEL=K."""
+    DECODE_DEFER_STEPS=N, `ours+N` with SPECULATIVE_TOKENS=N (`ours+N!` and SPECULATIVE_STEP_TOKENS=0),
+    `ours:K` with KV_KERNEL=K."""
     step, kernel, defer = ours_step(system), ours_kernel(system), ours_defer(system)
     saturated, drafts, unshared = ours_saturated(system), ours_drafts(system), ours_unshared_drafts(system)
     with tempfile.TemporaryDirectory() as tmp:
