@@ -42,6 +42,11 @@ def names(parser: argparse.ArgumentParser, text: str, known: Iterable[str]) -> l
     return chosen
 
 
+def given(**options: Any) -> dict[str, Any]:
+    """The options that were set (not None): engine settings a flag left unset keep their default."""
+    return {name: value for name, value in options.items() if value is not None}
+
+
 def model_path(arg: Path | None) -> Path:
     from pipeline.app import resolve_model_path
     from pipeline.settings import load_settings

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from bench import common
 from engine import Engine, EngineConfig, SamplingParams
 from engine.config import KVKernel, PromptAttention
 from engine.loader import LoadedModel
@@ -212,14 +213,9 @@ def engine_run(
     speculative_step_tokens: int | None = None,
 ) -> Run:
     async def go() -> Run:
-        drafts = {
-            name: value
-            for name, value in (
-                ("speculative_tokens", speculative_tokens),
-                ("speculative_step_tokens", speculative_step_tokens),
-            )
-            if value is not None
-        }
+        drafts = common.given(
+            speculative_tokens=speculative_tokens, speculative_step_tokens=speculative_step_tokens
+        )
         config = EngineConfig(
             model_path=Path("bench"), dynamic_batching=dynamic, max_batch_size=max_batch,
             kv_cache_bytes=kv_cache_bytes, max_tokens_per_step=budget, prefix_caching=prefix_caching,

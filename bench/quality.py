@@ -347,14 +347,7 @@ def team_rows(path: Path) -> list[dict[str, Any]]:
 
 async def run(args: Any) -> dict[str, Any]:
     settings = KV_PROFILES[args.kv_profile]
-    options = {
-        name: value
-        for name, value in (
-            ("speculative_tokens", args.speculative_tokens),
-            ("max_batch_size", args.max_batch),
-        )
-        if value is not None
-    }
+    options = common.given(speculative_tokens=args.speculative_tokens, max_batch_size=args.max_batch)
     engine = await common.analysis_engine(args.model, **settings, **options)
     # Every side question is asked and stored (so that `--tune` and the comparison below can replay
     # them); the labels are decided by the service's default policy, which uses the ones it names.

@@ -57,9 +57,7 @@ class SchedulerConfig:
     together_s: float = 0.0  # requests arriving within this of each other form one batch (the window)
     decode_defer_steps: int = 0  # steps in a row that decodes may give way to prompts (3. above)
     saturated_tokens_per_step: int = 0  # the budget while saturated (4. above); 0: max_tokens_per_step
-    draft_step_tokens: int = (
-        0  # a step of decodes alone, with drafts, carries at most this (5. above); 0: budget
-    )
+    draft_step_tokens: int = 0  # most tokens a step of decodes alone carries with drafts (5.); 0: budget
 
     def __post_init__(self) -> None:
         if self.max_running < 1 or self.max_tokens_per_step < self.max_running:
