@@ -62,6 +62,13 @@ class Format:
     # precision; the rest quantised per token over themselves only (a range the outliers no longer
     # set). Dense-and-sparse by fixed channels.
     hot_values: int = 0
+    # Dense-and-sparse (KVQuant's outliers, chosen per block here): per block and KV head, the
+    # `sparse_keys` key elements and `sparse_values` value elements whose removal narrows their
+    # groups' ranges most (greedy: a group's largest or smallest element, gain = the squared range
+    # it frees) are kept exact beside the codes (each a value in the cache's dtype and a 16-bit
+    # position, counted), and the groups are quantised over what is left.
+    sparse_keys: int = 0
+    sparse_values: int = 0
 
     def bits(self, layer: int) -> tuple[int | None, int | None]:
         return self.layer_bits.get(layer, (self.key_bits, self.value_bits))
@@ -104,6 +111,12 @@ def bytes_ratio(fmt: Format, layers: int, head_dim: int, dtype_bytes: int = 2) -
             total += QuantFormat(value_bits).code_dim(head_dim - hot) + hot * dtype_bytes + 2 * dtype_bytes
         else:
             total += _part(value_bits, head_dim, dtype_bytes, 2 * dtype_bytes)
+        # a kept element: its value and its 16-bit position within the block's head
+        total += (
+            (fmt.sparse_keys * (key_bits is not None) + fmt.sparse_values * (value_bits is not None))
+            * (dtype_bytes + 2)
+            / BLOCK
+        )
     return total / (layers * full)
 
 
@@ -175,18 +188,57 @@ def codebook_round_trip(x: torch.Tensor, levels: torch.Tensor, dim: int) -> torc
     return (low + levels[nearest_level(unit, levels)] * span).to(x.dtype)
 
 
+def outliers(x: torch.Tensor, dim: int, count: int) -> torch.Tensor:
+    """A mask of `count` elements per KV head of one block x (block, KVH, D), the groups lying along
+    `dim` (0: a channel over the block's tokens, as keys are quantised; -1: a token's channels, as
+    values are), chosen greedily: each pick is a group's largest or smallest remaining element,
+    whichever frees the most squared range of its group; a group keeps at least two elements."""
+    y = x.float().permute(1, 2, 0) if dim == 0 else x.float().permute(1, 0, 2)  # (KVH, groups, n)
+    heads, groups, n = y.shape
+    ordered, order = y.sort(-1)
+    top = torch.zeros(heads, groups, 1, dtype=torch.long)  # dropped from the top, from the bottom
+    bottom = torch.zeros_like(top)
+    for _ in range(count):
+        hi, lo = ordered.gather(-1, n - 1 - top), ordered.gather(-1, bottom)
+        hi2, lo2 = (
+            ordered.gather(-1, (n - 2 - top).clamp(min=0)),
+            ordered.gather(-1, (bottom + 1).clamp(max=n - 1)),
+        )
+        span = (hi - lo).square()
+        gains = torch.cat((span - (hi2 - lo).square(), span - (hi - lo2).square()), -1)  # (KVH, groups, 2)
+        gains = gains.masked_fill(n - top - bottom <= 2, float("-inf")).flatten(1)
+        best = gains.argmax(-1)
+        rows, group, side = torch.arange(heads), best // 2, best % 2
+        room = gains.amax(-1) > float("-inf")  # a head whose groups can give up nothing more takes none
+        top[rows, group, 0] += (side == 0) & room
+        bottom[rows, group, 0] += (side == 1) & room
+    rank = torch.arange(n)
+    kept_sorted = (rank >= n - top) | (rank < bottom)
+    kept = torch.zeros_like(kept_sorted).scatter_(-1, order, kept_sorted)
+    return kept.permute(2, 0, 1) if dim == 0 else kept.permute(1, 0, 2)
+
+
 def fake_quantise(
     keys: torch.Tensor, values: torch.Tensor, key_bits: int | None, value_bits: int | None,
     rotation: tuple[torch.Tensor | None, torch.Tensor | None], value_clips: tuple[float, ...] = (),
     levels: tuple[torch.Tensor, torch.Tensor] | None = None, hot: tuple[torch.Tensor, int] | None = None,
-    hot_values: torch.Tensor | None = None,
+    hot_values: torch.Tensor | None = None, sparse: tuple[int, int] = (0, 0),
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """One block's keys and values (block, KV heads, head_dim) as the engine's cold store gives
     them back: (rotated,) quantised by `quantize_keys` / `quantize_values`, dequantised (and
     rotated back), in the input's dtype; with `levels` (keys', values'), 4-bit parts through
     those codebooks instead (`codebook_round_trip`); with `hot` (a (KV heads, head_dim) mask, its
     bits), the masked key channels at those bits; with `hot_values` (a mask), those value channels
-    kept and the rest quantised per token over themselves."""
+    kept and the rest quantised per token over themselves; with `sparse` (keys', values' counts),
+    that many `outliers` per KV head kept exact and the rest quantised over themselves."""
+
+    def dense_and_sparse(x: torch.Tensor, bits: int, count: int, per_channel: bool) -> torch.Tensor:
+        dim = 0 if per_channel else -1
+        kept = outliers(x, dim, count)
+        # the kept elements take a remaining one's value, so each group's range is the rest's
+        filler = x.masked_fill(kept, float("inf")).amin(dim, keepdim=True)
+        dense = torch.where(kept, filler.expand_as(x), x)
+        return torch.where(kept, x, round_trip(dense, bits, None, per_channel))
 
     def round_trip(x: torch.Tensor, bits: int, r: torch.Tensor | None, per_channel: bool) -> torch.Tensor:
         if levels is not None and bits == 4 and r is None:
@@ -206,6 +258,8 @@ def fake_quantise(
             raise ValueError("hot key channels are not rotated here")
         mask, bits = hot
         keys = torch.where(mask, round_trip(keys, bits, None, True), round_trip(keys, key_bits, None, True))
+    elif key_bits is not None and sparse[0]:
+        keys = dense_and_sparse(keys, key_bits, sparse[0], per_channel=True)
     elif key_bits is not None:
         keys = round_trip(keys, key_bits, rotation[0], per_channel=True)
     if value_bits is not None and value_clips:
@@ -217,6 +271,8 @@ def fake_quantise(
         filler = values.masked_fill(hot_values, float("inf")).amin(-1, keepdim=True)
         cold = torch.where(hot_values, filler.expand_as(values), values)
         values = torch.where(hot_values, values, round_trip(cold, value_bits, None, per_channel=False))
+    elif value_bits is not None and sparse[1]:
+        values = dense_and_sparse(values, value_bits, sparse[1], per_channel=False)
     elif value_bits is not None:
         values = round_trip(values, value_bits, rotation[1], per_channel=False)
     return keys, values
@@ -311,9 +367,12 @@ def _requantise(
             quantised, _ = fake_quantise(plain, plain, key_bits, None, rotation, levels=levels)
             part = rope_turn(quantised, cos, sin, 1.0).to(part.dtype)
         elif keys:
-            part, _ = fake_quantise(part, part, key_bits, None, rotation, levels=levels, hot=mask)
+            part, _ = fake_quantise(
+                part, part, key_bits, None, rotation, levels=levels, hot=mask, sparse=(fmt.sparse_keys, 0)
+            )
         else:
             _, part = fake_quantise(
-                part, part, None, value_bits, rotation, fmt.value_clips, levels, hot_values=kept
-            )
+                part, part, None, value_bits, rotation, fmt.value_clips, levels, hot_values=kept,
+                sparse=(0, fmt.sparse_values),
+            )  # fmt: skip
         tensor[0, :, span] = part.transpose(0, 1)

@@ -24,7 +24,10 @@ the key channels that carry most of the scores' expected error at 8 bits (`hot_k
 mean squared query times its mean squared range over a block, on the same calibration documents;
 keys are quantised per channel, so a channel's bits are its own) and the value channels that weigh
 most in the output kept at full precision, the rest quantised per token over their own range
-(`hot_values`; neither is a store the engine has yet, both cost bytes, counted). Bytes per token
+(`hot_values`; neither is a store the engine has yet, both cost bytes, counted), or, per block and
+KV head, a few elements that set their groups' ranges kept exact beside the codes (`sparse_keys`,
+`sparse_values`: KVQuant's dense-and-sparse, the outliers chosen greedily per block; not a store the
+engine has yet, each kept element counted as a value and a 16-bit position). Bytes per token
 are given twice: the cold blocks' exact bytes (codes, scales, offsets) over bf16's, and "counted"
 as `bench.kv_quality` counts a sequence's blocks at its last step (the sink blocks, the window and
 the block being written at full precision; median over the documents, prompt and continuation).
@@ -134,6 +137,29 @@ FORMATS: dict[str, Format] = {
     "int4-v4-w0": Format(hot_values=4, residual=0),
     "int4-hot16+v8@2layers-v2-w0": Format(
         hot_keys=16, hot_values=2, residual=0, layer_bits={layer: (4, 8) for layer in (11, 16)}
+    ),
+    # Dense-and-sparse: per block and KV head, the elements that set their groups' ranges kept exact
+    # (KVQuant's 1 % outliers; 8 of a block's 1,024 keys or values per KV head cost 0.008x).
+    "int4-w0": Format(residual=0),
+    "int4-w0-s4": Format(residual=0, sparse_keys=4, sparse_values=4),
+    "int4-w0-sk8": Format(residual=0, sparse_keys=8),
+    "int4-w0-sv8": Format(residual=0, sparse_values=8),
+    "int4+int8@4layers-w0-s8": Format(
+        residual=0, sparse_keys=8, sparse_values=8, layer_bits={layer: (8, 8) for layer in (9, 11, 13, 16)}
+    ),
+    "int4+int8@4layers-w0-s4": Format(
+        residual=0, sparse_keys=4, sparse_values=4, layer_bits={layer: (8, 8) for layer in (9, 11, 13, 16)}
+    ),
+    "int4-hot16-w0-sv8": Format(hot_keys=16, residual=0, sparse_values=8),
+    "int4-hot16-w0-sv16": Format(hot_keys=16, residual=0, sparse_values=16),
+    "int4-w0-s8": Format(residual=0, sparse_keys=8, sparse_values=8),
+    "int4-w0-s16": Format(residual=0, sparse_keys=16, sparse_values=16),
+    "int4-w0-s24": Format(residual=0, sparse_keys=24, sparse_values=24),
+    "int4-w0-sk24": Format(residual=0, sparse_keys=24),
+    "int4-w0-sv24": Format(residual=0, sparse_values=24),
+    "int4-w0-sk32-sv16": Format(residual=0, sparse_keys=32, sparse_values=16),
+    "int4+int8@2layers-w0-s16": Format(
+        residual=0, sparse_keys=16, sparse_values=16, layer_bits={layer: (8, 8) for layer in (11, 16)}
     ),
 }
 

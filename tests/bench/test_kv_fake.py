@@ -16,6 +16,7 @@ from bench.kv_fake import (
     counted_ratio,
     fake_quantise,
     logprobs,
+    outliers,
     rope_turn,
     rotary_angles,
 )
@@ -206,3 +207,33 @@ def test_hot_value_channels_are_kept_and_the_rest_quantised_over_their_own_range
 def test_each_hot_value_channel_costs_full_precision_instead_of_its_code() -> None:
     plain, hot = bytes_ratio(Format(), 4, 64), bytes_ratio(Format(hot_values=2), 4, 64)
     assert hot - plain == pytest.approx(2 * (2 - 0.5) / 256)  # bf16 (2 bytes) instead of 4 bits
+
+
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_outliers_are_the_extremes_that_set_their_groups_ranges_and_keeping_them_pays(
+    per_channel: bool,
+) -> None:
+    """Planted extremes are found, `count` a KV head; the kept elements come back exact and the rest
+    err less than min-max over the whole group; no group is left with fewer than two elements."""
+    torch.manual_seed(2)
+    x = torch.randn(16, 2, 64)  # (block, KV heads, channels)
+    planted = [(3, 0, 7), (9, 0, 40), (5, 1, 2), (12, 1, 63)]
+    for token, head, channel in planted:
+        x[token, head, channel] = 30.0 if channel % 2 else -30.0
+    kept = outliers(x, 0 if per_channel else -1, 2)
+    assert kept.shape == x.shape and kept.sum(dim=(0, 2)).tolist() == [2, 2]
+    assert all(bool(kept[p]) for p in planted)
+    bits = (4, None) if per_channel else (None, 4)
+    plain = fake_quantise(x, x, *bits, (None, None))[0 if per_channel else 1]
+    sparse = fake_quantise(x, x, *bits, (None, None), sparse=(2, 0) if per_channel else (0, 2))
+    sparse_part = sparse[0 if per_channel else 1]
+    torch.testing.assert_close(sparse_part[kept], x[kept], rtol=0, atol=0)
+    assert float((sparse_part - x).square().sum()) < 0.5 * float((plain - x).square().sum())
+    few = outliers(torch.randn(2, 1, 3), 0, 5)  # groups of two elements: nothing can be taken
+    assert not bool(few.any())
+
+
+def test_kept_outliers_are_counted_as_a_value_and_a_position_each() -> None:
+    plain, sparse = bytes_ratio(Format(), 24, 64), bytes_ratio(Format(sparse_keys=8, sparse_values=4), 24, 64)
+    # per block of 16 tokens and KV head: 12 elements x (2 bytes + a 2-byte position), over 256 bytes a token
+    assert sparse - plain == pytest.approx(12 * 4 / 16 / 256)
