@@ -152,6 +152,9 @@ FORMATS: dict[str, Format] = {
     ),
     "int4-hot16-w0-sv8": Format(hot_keys=16, residual=0, sparse_values=8),
     "int4-hot16-w0-sv16": Format(hot_keys=16, residual=0, sparse_values=16),
+    # Which half the best of them leaves its error in: its keys alone, its values alone.
+    "int4-hot16-w0-keys-only": Format(hot_keys=16, residual=0, value_bits=None),
+    "int4-w0-sv16-values-only": Format(key_bits=None, residual=0, sparse_values=16),
     "int4-w0-s8": Format(residual=0, sparse_keys=8, sparse_values=8),
     "int4-w0-s16": Format(residual=0, sparse_keys=16, sparse_values=16),
     "int4-w0-s24": Format(residual=0, sparse_keys=24, sparse_values=24),
