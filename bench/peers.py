@@ -16,7 +16,8 @@ by the native kernel, and `ours~N` our engine whose decodes give way to waiting 
 steps in a row (`DECODE_DEFER_STEPS`), and `ours^N` our engine with N tokens per step while a full
 batch is running or waiting (`SATURATED_TOKENS_PER_STEP`), and `ours+N` our engine with N draft
 tokens per decode at most (`SPECULATIVE_TOKENS`; `ours+0`: none; `ours+N!`: N each as the step's
-budget allows, not shared out by `SPECULATIVE_STEP_TOKENS`, which is 0), each run as a system of its
+budget allows, `SPECULATIVE_STEP_TOKENS=0`; `ours+N/T`: shared out from T tokens a step of decodes,
+`SPECULATIVE_STEP_TOKENS=T`; unset, 64 on a CPU without AMX, 0 with it), each run as a system of its
 own in the same rounds (`ours@512^1024~16+8:torch` all five).
 
     python -m bench.peers --rounds 3 --out bench/results/peers-cpu.json
@@ -51,11 +52,11 @@ from engine.loader import cpu_has_bf16
 PEERS = Path(__file__).resolve().parents[1] / ".peers"
 SYSTEMS = ("ours", "vllm", "llama")
 # our engine with that many tokens per step (@), while saturated (^), decodes deferred that many
-# steps (~), that many draft tokens per decode at most (+; !: SPECULATIVE_STEP_TOKENS=0), and/or that
-# KV_KERNEL (:)
+# steps (~), that many draft tokens per decode at most (+; !: SPECULATIVE_STEP_TOKENS=0, /T: =T), and/or
+# that KV_KERNEL (:)
 # (`ours:torch`: decodes gathered)
 OURS = re.compile(
-    r"ours(?:@(\d+))?(?:\^(\d+))?(?:~(\d+))?(?:\+(\d+)(!)?)?(?::(auto|torch|avx512|avx2|portable))?"
+    r"ours(?:@(\d+))?(?:\^(\d+))?(?:~(\d+))?(?:\+(\d+)(!|/\d+)?)?(?::(auto|torch|avx512|avx2|portable))?"
 )
 
 
@@ -84,9 +85,12 @@ def ours_drafts(system: str) -> str | None:
     return _ours_part(system, 4)
 
 
-def ours_unshared_drafts(system: str) -> str | None:
-    """The SPECULATIVE_STEP_TOKENS `ours+N!` names: "0" (None for any other system)."""
-    return "0" if _ours_part(system, 5) else None
+def ours_draft_step_tokens(system: str) -> str | None:
+    """The SPECULATIVE_STEP_TOKENS `ours+N!` ("0") or `ours+N/T` (T) names (None for any other system)."""
+    part = _ours_part(system, 5)
+    if part is None:
+        return None
+    return "0" if part == "!" else part.removeprefix("/")
 
 
 def ours_kernel(system: str) -> str | None:
@@ -295,10 +299,15 @@ def peer_round(server: Server, prompts: list[list[int]], args: Any, round_: int,
 def ours_round(args: Any, round_: int, system: str = "ours") -> list[Result]:
     """Our engine in a fresh process, each scenario in turn (`bench.engine_bench --part`); `ours@N`
     with N tokens per step, `ours^N` with SATURATED_TOKENS_PER_STEP=N, `ours~N` with
-    DECODE_DEFER_STEPS=N, `ours+N` with SPECULATIVE_TOKENS=N (`ours+N!` and SPECULATIVE_STEP_TOKENS=0),
+    DECODE_DEFER_STEPS=N, `ours+N` with SPECULATIVE_TOKENS=N (`ours+N!` and SPECULATIVE_STEP_TOKENS=0,
+    `ours+N/T` and SPECULATIVE_STEP_TOKENS=T),
     `ours:K` with KV_KERNEL=K."""
     step, kernel, defer = ours_step(system), ours_kernel(system), ours_defer(system)
-    saturated, drafts, unshared = ours_saturated(system), ours_drafts(system), ours_unshared_drafts(system)
+    saturated, drafts, draft_step = (
+        ours_saturated(system),
+        ours_drafts(system),
+        ours_draft_step_tokens(system),
+    )
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "part.json"
         subprocess.run(
@@ -310,7 +319,7 @@ def ours_round(args: Any, round_: int, system: str = "ours") -> list[Result]:
              *(["--decode-defer", defer] if defer else []),
              *(["--saturated-step-tokens", saturated] if saturated else []),
              *(["--speculative-tokens", drafts] if drafts else []),
-             *(["--speculative-step-tokens", unshared] if unshared else [])],
+             *(["--speculative-step-tokens", draft_step] if draft_step else [])],
             check=True, cwd=Path(__file__).resolve().parents[1],
         )  # fmt: skip
         runs = json.loads(out.read_text())["runs"]
@@ -379,7 +388,7 @@ def main() -> None:
                    f"{f', DECODE_DEFER_STEPS={ours_defer(s)}' if ours_defer(s) else ''}"
                    f"{f', SATURATED_TOKENS_PER_STEP={ours_saturated(s)}' if ours_saturated(s) else ''}"
                    f"{f', SPECULATIVE_TOKENS={ours_drafts(s)}' if ours_drafts(s) else ''}"
-                   f"{f', SPECULATIVE_STEP_TOKENS={ours_unshared_drafts(s)}' if ours_unshared_drafts(s) else ''}"
+                   f"{f', SPECULATIVE_STEP_TOKENS={ours_draft_step_tokens(s)}' if ours_draft_step_tokens(s) else ''}"
                    f"{f', KV_KERNEL={ours_kernel(s)}' if ours_kernel(s) else ''})"
                 for s in systems if is_ours(s)} | {k: s.describe for k, s in servers.items()}  # fmt: skip
     if "llama" in servers:

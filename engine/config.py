@@ -82,14 +82,14 @@ class EngineOptions(BaseModel):
         "them in one step, in steps of decodes alone; the greedy output in exact arithmetic (in bf16 a "
         "near-tie can flip, as with batching order); 0: off.",
     )
-    speculative_step_tokens: int = Field(
-        default=0,
+    speculative_step_tokens: int | None = Field(
+        default=None,
         ge=0,
-        description="When set, a step of decodes alone carries at most this many tokens, decodes and their "
-        "draft tokens, shared out equally among its decodes (each at most SPECULATIVE_TOKENS): 64 gives a "
-        "full batch of 32 one guess each and a dozen decodes or fewer SPECULATIVE_TOKENS (measured slower "
-        "end to end on the CPU's burst and stream than 0); 0: the step's budget alone bounds them, decode "
-        "by decode.",
+        description="A step of decodes alone carries at most this many tokens, decodes and their draft "
+        "tokens, shared out equally among its decodes (each at most SPECULATIVE_TOKENS): 64 gives a full "
+        "batch of 32 one guess each and a dozen decodes or fewer SPECULATIVE_TOKENS; 0: the step's budget "
+        "alone bounds them, decode by decode; unset: 64 on a CPU without AMX (its products turn bound by "
+        "compute at 32-64 rows, so a full batch's guesses cost what tokens cost), 0 elsewhere.",
     )
     max_model_len: int = Field(
         default=8192,

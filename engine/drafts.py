@@ -15,7 +15,13 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
+import torch
+
+from engine.loader import cpu_flags
 from engine.sequence import Sequence
+
+# SPECULATIVE_STEP_TOKENS where it is unset, on a CPU without AMX: a full batch of 32 guesses one token each
+CPU_STEP_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,21 @@ class PromptLookup:
         if seq.ngrams is None:
             seq.ngrams = NgramIndex(self.max_n)
         return tuple(seq.ngrams.propose(seq.token_ids, k))
+
+
+def step_tokens(configured: int | None, device: torch.device) -> int:
+    """The most tokens a step of decodes alone carries with its guesses (the scheduler's
+    `draft_step_tokens`; 0: its budget alone): SPECULATIVE_STEP_TOKENS, or where it is unset, by
+    the device. On a CPU without AMX a step's products turn from reading the weights to computing
+    at 32-64 rows (AVX-512 BF16, 24 layers' products: 45 ms at 32 rows, 69 at 64, 120 at 128), so
+    a full batch's guesses cost about what its tokens cost, and 45 % of guesses are wrong: there a
+    step carries `CPU_STEP_TOKENS`. AMX and GPUs compute those rows for little more than the
+    weights' reading: there the budget alone bounds them."""
+    if configured is not None:
+        return configured
+    if device.type == "cpu" and "amx_bf16" not in cpu_flags():
+        return CPU_STEP_TOKENS
+    return 0
 
 
 @dataclass

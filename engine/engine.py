@@ -26,7 +26,7 @@ import torch
 from engine.attention import register
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, SamplingParams
-from engine.drafts import PromptLookup
+from engine.drafts import PromptLookup, step_tokens
 from engine.kv_cache import KVShape
 from engine.kv_policy import CompressionConfig, Compressor, Moves, build_cache
 from engine.loader import LoadedModel, load_model
@@ -110,7 +110,7 @@ class Engine:
                 together_s=config.dynamic_batch_window_ms / 1000 if config.dynamic_batching else 0.0,
                 decode_defer_steps=config.decode_defer_steps,
                 saturated_tokens_per_step=config.saturated_budget,
-                draft_step_tokens=config.speculative_step_tokens,
+                draft_step_tokens=step_tokens(config.speculative_step_tokens, loaded.device),
             ),
             self.blocks,
             PromptLookup(config.speculative_tokens) if config.speculative_tokens and not pruning else None,
@@ -139,6 +139,12 @@ class Engine:
             shape.bytes_per_token, f", read by {self.cache.cold.reader}" if self.cache.cold else "",
             self.cache.decode_reader, self.cache.prompt_reader,
         )  # fmt: skip
+        if self.scheduler.draft is not None:
+            step = self.scheduler.config.draft_step_tokens
+            log.info(
+                "guesses by prompt lookup: up to %d a decode, %s", config.speculative_tokens,
+                f"at most {step} tokens a step of decodes" if step else "within the step's budget",
+            )  # fmt: skip
         if config.quantising and not num_cold:
             log.warning("KV_COMPRESSION=true but the KV budget leaves no room for quantised blocks")
         if config.kv_compression and getattr(loaded.model.config, "use_sliding_window", False):

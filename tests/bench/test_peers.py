@@ -17,11 +17,11 @@ from bench.peers import (
     _one,
     is_ours,
     ours_defer,
+    ours_draft_step_tokens,
     ours_drafts,
     ours_kernel,
     ours_saturated,
     ours_step,
-    ours_unshared_drafts,
     report,
 )
 
@@ -117,9 +117,11 @@ def test_our_engine_at_another_step_size_is_compared_with_each_peer_and_with_the
         "torch",
     ]
     assert (ours_drafts("ours+0"), ours_drafts("ours~16"), is_ours("ours+")) == ("0", None, False)
-    unshared = (ours_drafts("ours+4!"), ours_unshared_drafts("ours+4!"), ours_unshared_drafts("ours+4"))
+    unshared = (ours_drafts("ours+4!"), ours_draft_step_tokens("ours+4!"), ours_draft_step_tokens("ours+4"))
     assert unshared == ("4", "0", None), "ours+N!: SPECULATIVE_STEP_TOKENS=0"
-    assert (ours_unshared_drafts("ours+4!:torch"), ours_kernel("ours+4!:torch"), is_ours("ours!")) == (
+    shared = (ours_drafts("ours+4/64"), ours_draft_step_tokens("ours+4/64:torch"), is_ours("ours+4/"))
+    assert shared == ("4", "64", False), "ours+N/T: SPECULATIVE_STEP_TOKENS=T"
+    assert (ours_draft_step_tokens("ours+4!:torch"), ours_kernel("ours+4!:torch"), is_ours("ours!")) == (
         "0",
         "torch",
         False,

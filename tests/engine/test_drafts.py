@@ -6,8 +6,12 @@ import asyncio
 import random
 from typing import Any
 
+import pytest
+import torch
+
+from engine import drafts
 from engine.config import SamplingParams
-from engine.drafts import NgramIndex, PromptLookup
+from engine.drafts import CPU_STEP_TOKENS, NgramIndex, PromptLookup, step_tokens
 from engine.request import Request
 from engine.sequence import Sequence
 
@@ -66,3 +70,15 @@ def test_only_greedy_requests_guess_and_never_past_their_last_new_token() -> Non
         assert lookup(seq(SamplingParams(max_new_tokens=10), hidden=(1, lambda _: None)), room=100) == ()
     finally:
         loop.close()
+
+
+def test_unset_step_tokens_bound_guesses_on_a_cpu_without_amx_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SPECULATIVE_STEP_TOKENS unset: a CPU without AMX bounds a step of decodes at
+    `CPU_STEP_TOKENS`; with AMX, and on CUDA, the step's budget alone bounds it (0); a value
+    set, 0 included, is taken as it is on every device."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for flags, expected in ((["avx512f", "avx512_bf16"], CPU_STEP_TOKENS), (["avx512_bf16", "amx_bf16"], 0)):
+        monkeypatch.setattr(drafts, "cpu_flags", lambda flags=flags: frozenset(flags))
+        assert step_tokens(None, cpu) == expected, flags
+        assert step_tokens(None, cuda) == 0, "a GPU computes a full batch's guesses cheaply"
+        assert (step_tokens(0, cpu), step_tokens(96, cpu), step_tokens(48, cuda)) == (0, 96, 48)
