@@ -303,11 +303,8 @@ def ours_round(args: Any, round_: int, system: str = "ours") -> list[Result]:
     `ours+N/T` and SPECULATIVE_STEP_TOKENS=T),
     `ours:K` with KV_KERNEL=K."""
     step, kernel, defer = ours_step(system), ours_kernel(system), ours_defer(system)
-    saturated, drafts, draft_step = (
-        ours_saturated(system),
-        ours_drafts(system),
-        ours_draft_step_tokens(system),
-    )
+    saturated, drafts = ours_saturated(system), ours_drafts(system)
+    draft_step = ours_draft_step_tokens(system)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "part.json"
         subprocess.run(
