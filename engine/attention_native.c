@@ -12,11 +12,18 @@
  * head kv * groups + g attending with KV head kv (grouped-query attention, as the model's
  * repeat_kv arranges them); out like the queries. bfloat16 or float32, arithmetic in float32:
  * scores, a softmax with its maximum subtracted (two passes over the scores, as torch's), the
- * weighted sum of values; bfloat16 results are rounded to nearest even.
+ * weighted sum of values (bf16 values on the AVX-512 BF16 and AMX builds: weighed by the
+ * probabilities rounded to bf16, as torch's path casts its softmax to the values' dtype first);
+ * bfloat16 results are rounded to nearest even.
  *
- * Threads: the (sequence, KV head) pairs are shared by OpenMP. The library is linked against
- * libgomp.so.1, which the process has already loaded with torch, so these are torch's own
- * OpenMP workers, not a second pool fighting them for the cores. Vectorised by the compiler
+ * Threads: the (sequence, KV head) pairs are shared by OpenMP: the pairs of sequences that share
+ * a history (a decode and its draft tokens) to one thread, so that one core reads that history,
+ * and these groups dealt to the threads in turn, so that each thread knows the pair it takes
+ * next and asks for its rows (into the second-level cache) while it works on this one. A
+ * history's blocks lie scattered over the pool, where the hardware's prefetcher does not follow
+ * them: without that, a decode waits on memory for most of its time. The library is linked
+ * against libgomp.so.1, which the process has already loaded with torch, so these are torch's
+ * own OpenMP workers, not a second pool fighting them for the cores. Vectorised by the compiler
  * (omp simd) for the -march the library is built for.
  */
 #define _DEFAULT_SOURCE /* syscall(), for the AMX permission */
@@ -26,6 +33,9 @@
 #include <string.h>
 
 #include "kv_bf16.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define TILE 64 /* keys whose values are weighed together (converted to float32 once) */
 
@@ -157,6 +167,80 @@ static inline void weigh(const float *const *rows, const float *p, int64_t m, in
         _mm512_storeu_ps(acc + c + 48, x3);
     }
 }
+
+/* Sums of one 16-channel slot of a tile's interleaved values for `count` (<= 8, a constant where
+ * it is inlined) query heads: acc[g] += over key pairs i < npairs, (weights[g][i] . pairs[i][slot])
+ * by dpbf16; the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void weigh_slot(const uint16_t *pairs, int64_t slots,
+                                                             int64_t slot, const uint32_t *weights, int64_t npairs,
+                                                             const int count, float *acc, int64_t stride) {
+    __m512 sums[8];
+    for (int g = 0; g < count; g++)
+        sums[g] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < npairs; i++) {
+        __m512bh v = (__m512bh)_mm512_loadu_si512(pairs + (i * slots + slot) * 32);
+        for (int g = 0; g < count; g++)
+            sums[g] = _mm512_dpbf16_ps(sums[g], (__m512bh)_mm512_set1_epi32((int)weights[g * (TILE / 2) + i]), v);
+    }
+    for (int g = 0; g < count; g++)
+        _mm512_storeu_ps(acc + g * stride, _mm512_add_ps(_mm512_loadu_ps(acc + g * stride), sums[g]));
+}
+
+/* mixed[g][0 .. dim) += the k <= TILE bf16 values at slots[0 .. k) weighed by probs[g * n + 0 .. k)
+ * for every query head g < groups: the probabilities rounded to bf16 first, as torch's bf16 path
+ * casts its softmax to the values' dtype before their product, and the products of a pair of keys
+ * summed in float32 by dpbf16. `pairs` (TILE * dim bf16) and `weights` (groups * TILE / 2 pairs)
+ * are work space. `mixed` is in the interleaved order that unpacking a pair of value rows leaves:
+ * channel 32c + 8L + 4h + i in lane 4L + i of its slot 2c + h; `unmix` puts it back. */
+static void weigh_tile_bf16(const attention *a, int64_t kv, const int64_t *slots, int64_t k, const float *probs,
+                            int64_t n, int64_t groups, uint16_t *pairs, uint32_t *weights, float *mixed) {
+    int64_t dim = a->dim, nslots = dim / 16, npairs = (k + 1) / 2;
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t j = 0; j < k; j += 32) { /* 32 probabilities to 16 pairs of bf16, zero past k */
+            __mmask16 low = (__mmask16)(k - j >= 16 ? 0xFFFF : (1u << (k - j)) - 1u);
+            __mmask16 high = (__mmask16)(k - j >= 32 ? 0xFFFF : k - j <= 16 ? 0 : (1u << (k - j - 16)) - 1u);
+            __m512 lo = _mm512_maskz_loadu_ps(low, probs + g * n + j);
+            __m512 hi = _mm512_maskz_loadu_ps(high, probs + g * n + j + 16);
+            _mm512_storeu_si512(weights + g * (TILE / 2) + j / 2, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+    for (int64_t i = 0; i < npairs; i++) { /* keys 2i, 2i + 1 (the first twice past k: weight 0) */
+        const uint16_t *ra = (const uint16_t *)a->values + (slots[2 * i] * a->kv_heads + kv) * dim;
+        const uint16_t *rb = ra;
+        if (2 * i + 1 < k)
+            rb = (const uint16_t *)a->values + (slots[2 * i + 1] * a->kv_heads + kv) * dim;
+        for (int64_t c = 0; c < dim / 32; c++) {
+            __m512i va = _mm512_loadu_si512(ra + 32 * c), vb = _mm512_loadu_si512(rb + 32 * c);
+            _mm512_storeu_si512(pairs + (i * nslots + 2 * c) * 32, _mm512_unpacklo_epi16(va, vb));
+            _mm512_storeu_si512(pairs + (i * nslots + 2 * c + 1) * 32, _mm512_unpackhi_epi16(va, vb));
+        }
+    }
+    for (int64_t s = 0; s < nslots; s++)
+        for (int64_t g = 0; g < groups; g += 8) {
+            const uint32_t *w = weights + g * (TILE / 2);
+            float *out = mixed + g * dim + s * 16;
+            switch (groups - g < 8 ? groups - g : 8) {
+            case 1: weigh_slot(pairs, nslots, s, w, npairs, 1, out, dim); break;
+            case 2: weigh_slot(pairs, nslots, s, w, npairs, 2, out, dim); break;
+            case 3: weigh_slot(pairs, nslots, s, w, npairs, 3, out, dim); break;
+            case 4: weigh_slot(pairs, nslots, s, w, npairs, 4, out, dim); break;
+            case 5: weigh_slot(pairs, nslots, s, w, npairs, 5, out, dim); break;
+            case 6: weigh_slot(pairs, nslots, s, w, npairs, 6, out, dim); break;
+            case 7: weigh_slot(pairs, nslots, s, w, npairs, 7, out, dim); break;
+            default: weigh_slot(pairs, nslots, s, w, npairs, 8, out, dim); break;
+            }
+        }
+}
+
+/* acc[g][..] += mixed[g][..] put back in channel order (see weigh_tile_bf16). */
+static void unmix(const float *mixed, int64_t groups, int64_t dim, float *acc) {
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t c = 0; c < dim / 32; c++)
+            for (int64_t h = 0; h < 2; h++)
+                for (int64_t lane = 0; lane < 16; lane++) {
+                    int64_t at = g * dim + 32 * c;
+                    acc[at + 8 * (lane / 4) + 4 * h + lane % 4] += mixed[at + 16 * h + lane];
+                }
+}
 #else
 #define ATT_AVX512 0
 #endif
@@ -227,10 +311,21 @@ static inline void prefetch_rows(const attention *a, const void *base, const int
     }
 }
 
+/* prefetch_rows into the second-level cache only: rows wanted after the next few thousand cycles. */
+static inline void prefetch_rows_l2(const attention *a, const void *base, const int64_t *slots, int64_t m, int64_t kv) {
+    int64_t size = a->fp32 ? 4 : 2, bytes = a->dim * size;
+    for (int64_t j = 0; j < m; j++) {
+        const char *row = (const char *)base + (slots[j] * a->kv_heads + kv) * bytes;
+        for (int64_t b = 0; b < bytes; b += 64)
+            __builtin_prefetch(row + b, 0, 2);
+    }
+}
+
 /* Floats of work space one pair needs, for histories of up to `longest` tokens. */
 static int64_t work_floats(int64_t groups, int64_t dim, int64_t longest, int64_t block) {
     int64_t rows = block > TILE ? block : TILE;
-    return groups * longest + groups * dim + 4 * dim + rows * dim + TILE + groups + 2 * rows;
+    return groups * longest + groups * dim + 4 * dim + rows * dim + TILE + groups + 2 * rows
+           + TILE * dim / 2 + groups * TILE / 2 + groups * dim; /* weigh_tile_bf16's pairs, weights, sums */
 }
 
 /* The pair's quantised blocks: scores into scores[g][0 .. m * block) (row stride n), read where
@@ -300,9 +395,11 @@ static void cold_values(const attention *a, const cold_layer *c, const int64_t *
 
 
 /* One (sequence, KV head) pair: its `groups` query heads over its history, the `m` quantised
- * blocks at `blocks` (none without `c`) and then the `hot` full-precision tokens at `slots`. */
+ * blocks at `blocks` (none without `c`) and then the `hot` full-precision tokens at `slots`.
+ * bf16 values are weighed by weigh_tile_bf16 on the AVX-512 BF16 build, else as float32 rows. */
 static void attend_pair(const attention *a, const cold_layer *c, int64_t seq, int64_t kv, const int64_t *blocks,
-                        int64_t m, const int64_t *slots, int64_t hot, float *work, uint8_t *space) {
+                        int64_t m, const int64_t *slots, int64_t hot, const int64_t *next, int64_t next_hot,
+                        int64_t next_kv, float *work, uint8_t *space) {
     int64_t groups = a->groups, dim = a->dim, first = seq * a->kv_heads * groups + kv * groups;
     int64_t cold = c != NULL ? m * c->block : 0, n = cold + hot;
     int64_t block = c != NULL && c->block > TILE ? c->block : TILE;
@@ -314,6 +411,10 @@ static void attend_pair(const attention *a, const cold_layer *c, int64_t seq, in
     float *w = tile + block * dim;      /* [TILE]: weights of quantised values */
     float *offsets = w + TILE;          /* [groups]: what values' offsets add to every channel */
     float *params = offsets + groups;   /* [max(2 * dim, 2 * block)]: a block's scales and offsets */
+    uint16_t *pairs = (uint16_t *)(params + 2 * dim + 2 * block); /* [TILE / 2][dim][2]: weigh_tile_bf16 */
+    uint32_t *weights = (uint32_t *)(pairs + TILE * dim);  /* [groups][TILE / 2] */
+    float *mixed = (float *)(weights + groups * TILE / 2); /* [groups][dim]: its sums, interleaved */
+    int bf16_values = ATT_AVX512 && !a->fp32 && dim % 32 == 0; /* weighed where they lie, dpbf16 */
     int bf16_keys = ATT_AVX512 && !a->fp32 && dim % 32 == 0; /* scored where they lie, dpbf16 */
     int tiles = space != NULL && !a->fp32 && dim % 64 == 0 && groups <= 16; /* bf16 keys and values by AMX */
     const float *rows[TILE];
@@ -329,10 +430,17 @@ static void attend_pair(const attention *a, const cold_layer *c, int64_t seq, in
     if (tiles)
         amx_scores(a, first, kv, slots, hot, n, scores + cold, space);
 #endif
+    /* Keys: the first two tiles now, later ones two tiles ahead; and with each tile a share of the
+     * next pair's keys (`next`, `next_hot` tokens of KV head `next_kv`), into the second level. */
+    if (!tiles)
+        prefetch_rows(a, a->keys, slots, hot < 32 ? hot : 32, kv);
+    int64_t share = (next_hot + (hot + 15) / 16 - 1) / ((hot + 15) / 16);
     for (int64_t t = 0; !tiles && t < hot; t += 16) { /* a tile of keys at a time, every query head: read once */
-        int64_t k = hot - t < 16 ? hot - t : 16;
-        if (t + 16 < hot)
-            prefetch_rows(a, a->keys, slots + t + 16, hot - t - 16 < 16 ? hot - t - 16 : 16, kv);
+        int64_t k = hot - t < 16 ? hot - t : 16, ahead = t / 16 * share;
+        if (t + 32 < hot)
+            prefetch_rows(a, a->keys, slots + t + 32, hot - t - 32 < 16 ? hot - t - 32 : 16, kv);
+        if (ahead < next_hot)
+            prefetch_rows_l2(a, a->keys, next + ahead, next_hot - ahead < share ? next_hot - ahead : share, next_kv);
         for (int64_t j = 0; !bf16_keys && j < k; j++)
             rows[j] = row_f32(a, a->keys, slots[t + j] * a->kv_heads + kv, tile + j * dim);
         for (int64_t g = 0; g < groups; g++) {
@@ -358,10 +466,26 @@ static void attend_pair(const attention *a, const cold_layer *c, int64_t seq, in
     if (tiles)
         amx_values(a, kv, slots, hot, n, scores + cold, acc, space);
 #endif
+    share = (next_hot + (hot + TILE - 1) / TILE - 1) / ((hot + TILE - 1) / TILE); /* values likewise */
+    if (!tiles)
+        prefetch_rows(a, a->values, slots, hot < TILE ? hot : TILE, kv);
     for (int64_t t = 0; !tiles && t < hot; t += TILE) {
-        int64_t k = hot - t < TILE ? hot - t : TILE;
+        int64_t k = hot - t < TILE ? hot - t : TILE, ahead = t / TILE * share;
         if (t + TILE < hot)
             prefetch_rows(a, a->values, slots + t + TILE, hot - t - TILE < TILE ? hot - t - TILE : TILE, kv);
+        if (ahead < next_hot)
+            prefetch_rows_l2(a, a->values, next + ahead, next_hot - ahead < share ? next_hot - ahead : share,
+                             next_kv);
+#if ATT_AVX512
+        if (bf16_values) {
+            if (t == 0)
+                memset(mixed, 0, (size_t)(groups * dim) * sizeof(float));
+            weigh_tile_bf16(a, kv, slots + t, k, scores + cold + t, n, groups, pairs, weights, mixed);
+            if (t + TILE >= hot)
+                unmix(mixed, groups, dim, acc);
+            continue;
+        }
+#endif
         for (int64_t j = 0; j < k; j++)
             rows[j] = row_f32(a, a->values, slots[t + j] * a->kv_heads + kv, tile + j * dim);
         for (int64_t g = 0; g < groups; g++)
@@ -432,6 +556,15 @@ int kv_decode_attention(const void *query, const void *keys, const void *values,
                 return -1;
     tiles = ATT_AMX && tiles && !fp32 && dim % 64 == 0 && groups <= 16;
     attention a = {query, keys, values, kv_heads, groups, dim, scale, fp32, tiles, out};
+    /* Groups of consecutive sequences that share a history (a decode and its draft tokens: the
+     * same first slot), sequences firsts[u] .. firsts[u + 1]: one thread reads a history once. */
+    int64_t *firsts = malloc((size_t)(seqs + 1) * sizeof(int64_t)), units = 0;
+    if (firsts == NULL)
+        return -1;
+    for (int64_t i = 0; i < seqs; i++)
+        if (i == 0 || slots[starts[i]] != slots[starts[i - 1]])
+            firsts[units++] = i;
+    firsts[units] = seqs;
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
     {
@@ -450,13 +583,23 @@ int kv_decode_attention(const void *query, const void *keys, const void *values,
         }
 #endif
         failed = work == NULL || (tiles && space == NULL);
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t pair = 0; pair < seqs * kv_heads; pair++) {
-            int64_t seq = pair / kv_heads;
-            if (!failed)
+        int64_t threads = 1;
+#ifdef _OPENMP
+        threads = omp_get_num_threads();
+#endif
+#pragma omp for schedule(static, 1) /* groups dealt in turn, each whole to one thread */
+        for (int64_t u = 0; u < units; u++) {
+            for (int64_t pair = firsts[u] * kv_heads; pair < firsts[u + 1] * kv_heads && !failed; pair++) {
+                int64_t seq = pair / kv_heads, after = pair + 1; /* this thread's next pair */
+                if (after == firsts[u + 1] * kv_heads)
+                    after = u + threads < units ? firsts[u + threads] * kv_heads : -1;
+                int64_t next_seq = after / kv_heads;
+                int64_t next_hot = after >= 0 ? starts[next_seq + 1] - starts[next_seq] : 0;
                 attend_pair(&a, cold, seq, pair % kv_heads, cold ? cold->blocks + cold->starts[seq] : NULL,
                             cold ? cold->starts[seq + 1] - cold->starts[seq] : 0, slots + starts[seq],
-                            starts[seq + 1] - starts[seq], work, space);
+                            starts[seq + 1] - starts[seq], next_hot ? slots + starts[next_seq] : NULL, next_hot,
+                            after >= 0 ? after % kv_heads : 0, work, space);
+            }
         }
 #if ATT_AMX
         if (tiles)
@@ -465,6 +608,7 @@ int kv_decode_attention(const void *query, const void *keys, const void *values,
         free(space);
         free(work);
     }
+    free(firsts);
     return failed ? -1 : 0;
 }
 
@@ -511,6 +655,9 @@ int kv_prefill_attention(const void *query, int64_t head_stride, int64_t token_s
 #pragma omp parallel for schedule(static)
     for (int64_t h = 0; h < kv_heads; h++) {
         uint16_t *row = vt + kv_heads * dim * kv_pad + h * dim;
+        int64_t lead = hot < 16 ? hot : 16;
+        prefetch_rows(&a, a.keys, slots, lead, h);
+        prefetch_rows(&a, a.values, slots, lead, h);
         for (int64_t j = 0; j < kv_pad; j++) {
             uint16_t *key = k + (h * kv_pad + j) * dim;
             if (j >= kv_len) {
@@ -518,6 +665,10 @@ int kv_prefill_attention(const void *query, int64_t head_stride, int64_t token_s
                 for (int64_t d = 0; d < dim; d++)
                     vt[(h * dim + d) * kv_pad + j] = 0;
                 continue;
+            }
+            if (j + 16 >= cold_len && j + 16 < kv_len) { /* the rows 16 tokens on: scattered blocks */
+                prefetch_rows(&a, a.keys, slots + (j + 16 - cold_len), 1, h);
+                prefetch_rows(&a, a.values, slots + (j + 16 - cold_len), 1, h);
             }
             history_row(&a, cold, cold_len, slots, h, j, codes + h * dim, key, row);
             for (int64_t d = 0; d < dim; d++)

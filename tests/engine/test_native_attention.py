@@ -81,17 +81,20 @@ def by_hand(query: torch.Tensor, cache: KVCache, seq: SeqSlice, scale: float) ->
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128, 24])  # 64, 128: AVX-512 (and AMX) tiles; 24: the loops
 @pytest.mark.parametrize("block", [16, 8])  # 8: a tile of 16 keys spans two blocks, maybe apart
+@pytest.mark.parametrize("groups", [7, 12])  # query heads to a KV head: the default model's, and over 8
 def test_every_build_attends_in_place_as_attention_by_hand(
-    head_dim: int, dtype: torch.dtype, block: int
+    head_dim: int, dtype: torch.dtype, block: int, groups: int
 ) -> None:
-    """Sequences of 1 to 200 tokens in scattered blocks, seven query heads to a KV head: each build
-    (this CPU's, without its AMX tiles where it has them, and the AVX2 and portable ones it also
-    runs) gives float64 attention over the same keys and values, to float32 rounding (bf16: the
-    output's one rounding; with tiles, each probability's two bf16 halves too)."""
+    """Sequences of 1 to 200 tokens in scattered blocks, 7 or 12 query heads to a KV head: each
+    build (this CPU's, without its AMX tiles where it has them, and the AVX2 and portable ones it
+    also runs) gives float64 attention over the same keys and values, to float32 rounding (bf16:
+    the output's one rounding; where bf16 values are weighed as bf16 (AVX-512 BF16 vectors, AMX
+    tiles), each probability's rounding to bf16 too)."""
     native_kernel()
     shape = KVShape(num_layers=1, num_kv_heads=2, head_dim=head_dim, dtype=dtype)
     cache, seqs = paged_cache(shape, LENGTHS, seed=head_dim, size=block)
-    query = torch.randn(14, len(seqs), head_dim, generator=torch.Generator().manual_seed(3)).to(dtype)
+    heads = 2 * groups
+    query = torch.randn(heads, len(seqs), head_dim, generator=torch.Generator().manual_seed(3)).to(dtype)
     scale = head_dim**-0.5
     decodes, rest = in_place_decodes(seqs)
     assert decodes is not None and not rest
@@ -100,7 +103,30 @@ def test_every_build_attends_in_place_as_attention_by_hand(
     for label, kernel in every_build():
         cache.kernel = kernel
         got = in_place_attention(query, cache, 0, decodes, scale)
-        assert got.dtype == dtype and got.shape == (len(seqs), 14, head_dim)
+        assert got.dtype == dtype and got.shape == (len(seqs), heads, head_dim)
+        torch.testing.assert_close(got.double(), expected, rtol=step, atol=step, msg=label)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decodes_sharing_a_history_attend_each_as_alone(dtype: torch.dtype) -> None:
+    """A decode and its draft tokens are rows over one history, each a token longer, laid side by
+    side (the kernel gives such rows to one thread): each row still attends to its own tokens
+    alone, as by hand, beside sequences of one row, on every build."""
+    native_kernel()
+    shape = KVShape(num_layers=1, num_kv_heads=2, head_dim=64, dtype=dtype)
+    cache, alone = paged_cache(shape, (90, 33, 140), seed=11)
+    rows: list[SeqSlice] = []
+    for seq, drafts in zip(alone, (3, 0, 1), strict=True):
+        n = seq.kv_slots.shape[0]
+        rows += [SeqSlice(len(rows), 1, seq.kv_slots[: n - drafts + i]) for i in range(drafts + 1)]
+    query = torch.randn(14, len(rows), 64, generator=torch.Generator().manual_seed(5)).to(dtype)
+    decodes, rest = in_place_decodes(rows)
+    assert decodes is not None and not rest
+    expected = torch.stack([by_hand(query, cache, row, 0.125) for row in rows])
+    step = 2**-8 if dtype == torch.bfloat16 else 1e-6
+    for label, kernel in every_build():
+        cache.kernel = kernel
+        got = in_place_attention(query, cache, 0, decodes, 0.125)
         torch.testing.assert_close(got.double(), expected, rtol=step, atol=step, msg=label)
 
 
