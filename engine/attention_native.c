@@ -119,22 +119,6 @@ static inline void store16(const __m512 part[16], int64_t m, float scale, float 
     _mm512_mask_storeu_ps(out, (__mmask16)((1u << m) - 1u), sums);
 }
 
-/* Scores of bfloat16 query head `head` against the bfloat16 keys of slots[0..m), m <= 16, read
- * where they lie: pairs of products (exact in float32) summed in float32; dim a multiple of 32. */
-static inline void scores16_bf16(const attention *a, int64_t head, int64_t kv, const int64_t *slots, int64_t m,
-                                 float *out) {
-    const uint16_t *q = (const uint16_t *)a->query + head * a->dim;
-    __m512 part[16];
-    for (int64_t j = 0; j < 16; j++) {
-        __m512 s = _mm512_setzero_ps();
-        const uint16_t *k = (const uint16_t *)a->keys + (slots[j < m ? j : 0] * a->kv_heads + kv) * a->dim;
-        for (int64_t d = 0; j < m && d < a->dim; d += 32)
-            s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(q + d), (__m512bh)_mm512_loadu_si512(k + d));
-        part[j] = s;
-    }
-    store16(part, m, a->scale, 0.0f, out);
-}
-
 /* out[j] = (q . rows[j]) * scale + bias for j < m <= 16: float32 rows, dim a multiple of 16. */
 static inline void scores16_f32(const float *q, const float *const *rows, int64_t m, int64_t dim, float scale,
                                 float bias, float *out) {
@@ -165,6 +149,89 @@ static inline void weigh(const float *const *rows, const float *p, int64_t m, in
         _mm512_storeu_ps(acc + c + 16, x1);
         _mm512_storeu_ps(acc + c + 32, x2);
         _mm512_storeu_ps(acc + c + 48, x3);
+    }
+}
+
+/* Lane j of t[r] = 32-bit element r of rows[j] (16 x 16 elements transposed in registers). */
+static inline void transpose16(const __m512i rows[16], __m512i t[16]) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 8; i++) { /* per 128-bit lane: rows 2i, 2i + 1 interleaved by element */
+        a[2 * i] = _mm512_unpacklo_epi32(rows[2 * i], rows[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_epi32(rows[2 * i], rows[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* b[4i + m], 128-bit lane L: element 4L + m of rows 4i .. 4i + 3 */
+        b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (int m = 0; m < 4; m++) { /* 128-bit lane L of b[m], b[4 + m], b[8 + m], b[12 + m] -> t[4L + m] */
+        __m512i p = _mm512_shuffle_i32x4(b[m], b[4 + m], 0x44); /* lanes 0, 1 of each */
+        __m512i q = _mm512_shuffle_i32x4(b[m], b[4 + m], 0xEE); /* lanes 2, 3 of each */
+        __m512i r = _mm512_shuffle_i32x4(b[8 + m], b[12 + m], 0x44);
+        __m512i s = _mm512_shuffle_i32x4(b[8 + m], b[12 + m], 0xEE);
+        t[m] = _mm512_shuffle_i32x4(p, r, 0x88);
+        t[4 + m] = _mm512_shuffle_i32x4(p, r, 0xDD);
+        t[8 + m] = _mm512_shuffle_i32x4(q, s, 0x88);
+        t[12 + m] = _mm512_shuffle_i32x4(q, s, 0xDD);
+    }
+}
+
+/* out[g * stride + j] (j < 16) = scale * (query head g . keys[j]) for `count` (<= 8, a constant where
+ * it is inlined) query heads from `query` (bf16, `dim` channels each, heads `dim` apart): keys
+ * given transposed in pairs (lane j of keys[r] = channels 2r, 2r + 1 of key j), each query pair
+ * broadcast against them by dpbf16; the sums stay in registers. */
+static inline __attribute__((always_inline)) void score_heads(const __m512i *keys, const uint16_t *query,
+                                                              int64_t dim, const int count, float scale,
+                                                              __mmask16 keep, float *out, int64_t stride) {
+    __m512 sums[8];
+    for (int g = 0; g < count; g++)
+        sums[g] = _mm512_setzero_ps();
+    for (int64_t r = 0; r < dim / 2; r++) {
+        __m512bh k = (__m512bh)_mm512_loadu_si512(keys + r);
+        for (int g = 0; g < count; g++)
+        {
+            int32_t pair; /* channels 2r, 2r + 1 of query head g, in every lane */
+            memcpy(&pair, query + g * dim + 2 * r, sizeof pair);
+            sums[g] = _mm512_dpbf16_ps(sums[g], (__m512bh)_mm512_set1_epi32(pair), k);
+        }
+    }
+    for (int g = 0; g < count; g++)
+        _mm512_mask_storeu_ps(out + g * stride, keep, _mm512_mul_ps(sums[g], _mm512_set1_ps(scale)));
+}
+
+/* scores[g * n + j] = scale * (query head first + g . key j) for the k <= 16 bf16 keys at
+ * slots[0 .. k) of KV head kv, every query head g < groups: the keys transposed into pairs in
+ * registers (to `keys`, dim / 2 vectors of work space) and scored 16 at a time, a query's pair
+ * broadcast against them (products of pairs exact in float32, summed in float32). */
+static void score_tile_bf16(const attention *a, int64_t first, int64_t kv, const int64_t *slots, int64_t k,
+                            int64_t groups, int64_t n, float *scores, __m512i *keys) {
+    int64_t dim = a->dim;
+    __m512i rows[16], pairs[16];
+    for (int64_t c = 0; c < dim / 32; c++) { /* 32 channels (16 pairs) of the 16 keys at a time */
+        for (int64_t j = 0; j < 16; j++) {
+            const uint16_t *key = (const uint16_t *)a->keys + (slots[j < k ? j : 0] * a->kv_heads + kv) * dim;
+            rows[j] = j < k ? _mm512_loadu_si512(key + 32 * c) : _mm512_setzero_si512();
+        }
+        transpose16(rows, pairs);
+        for (int r = 0; r < 16; r++)
+            _mm512_storeu_si512(keys + 16 * c + r, pairs[r]);
+    }
+    const uint16_t *query = (const uint16_t *)a->query + first * dim;
+    __mmask16 keep = (__mmask16)(k >= 16 ? 0xFFFF : (1u << k) - 1u);
+    for (int64_t g = 0; g < groups; g += 8) {
+        const uint16_t *q = query + g * dim;
+        float *out = scores + g * n;
+        switch (groups - g < 8 ? groups - g : 8) {
+        case 1: score_heads(keys, q, dim, 1, a->scale, keep, out, n); break;
+        case 2: score_heads(keys, q, dim, 2, a->scale, keep, out, n); break;
+        case 3: score_heads(keys, q, dim, 3, a->scale, keep, out, n); break;
+        case 4: score_heads(keys, q, dim, 4, a->scale, keep, out, n); break;
+        case 5: score_heads(keys, q, dim, 5, a->scale, keep, out, n); break;
+        case 6: score_heads(keys, q, dim, 6, a->scale, keep, out, n); break;
+        case 7: score_heads(keys, q, dim, 7, a->scale, keep, out, n); break;
+        default: score_heads(keys, q, dim, 8, a->scale, keep, out, n); break;
+        }
     }
 }
 
@@ -443,14 +510,14 @@ static void attend_pair(const attention *a, const cold_layer *c, int64_t seq, in
             prefetch_rows_l2(a, a->keys, next + ahead, next_hot - ahead < share ? next_hot - ahead : share, next_kv);
         for (int64_t j = 0; !bf16_keys && j < k; j++)
             rows[j] = row_f32(a, a->keys, slots[t + j] * a->kv_heads + kv, tile + j * dim);
+#if ATT_AVX512
+        if (bf16_keys) {
+            score_tile_bf16(a, first, kv, slots + t, k, groups, n, scores + cold + t, (__m512i *)pairs);
+            continue;
+        }
+#endif
         for (int64_t g = 0; g < groups; g++) {
             float *out = scores + g * n + cold + t;
-#if ATT_AVX512
-            if (bf16_keys) {
-                scores16_bf16(a, first + g, kv, slots + t, k, out);
-                continue;
-            }
-#endif
             score_rows(row_f32(a, a->query, first + g, q), rows, k, dim, a->scale, 0.0f, out);
         }
     }
