@@ -11,6 +11,7 @@ import json
 import os
 import statistics
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -147,6 +148,26 @@ def write_result(out: Path, args: argparse.Namespace, console: Any, **fields: An
     config = {k: str(v) for k, v in vars(args).items()}
     out.write_text(json.dumps({"machine": machine(), "config": config, **fields}, indent=1))
     console.print(f"wrote {out}")
+
+
+def kernel_at(revision: str) -> NativeKernel | None:
+    """The native kernel built for this CPU from the engine's C files as they were at a git
+    revision of this checkout (to compare a change with what came before it in one run)."""
+    from engine import kv_native
+
+    root = Path(kv_native.__file__).parent
+    listed = subprocess.run(
+        ["git", "ls-tree", "--name-only", revision, "engine/"], cwd=root.parent, check=True,  # noqa: S607
+        capture_output=True, text=True,
+    ).stdout.split()  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="kernel-at-") as folder:
+        for name in (n for n in listed if n.endswith((".c", ".h"))):
+            shown = subprocess.run(
+                ["git", "show", f"{revision}:{name}"],  # noqa: S607 - git from PATH
+                cwd=root.parent, check=True, capture_output=True,
+            )  # fmt: skip
+            (Path(folder) / Path(name).name).write_bytes(shown.stdout)
+        return kv_native.load("native", Path(folder))  # mapped: the folder may go
 
 
 def kernel_builds() -> dict[str, NativeKernel]:

@@ -11,11 +11,16 @@ of `--history` tokens on average (+-20 %, so that torch groups them by length as
 blocks scattered over the pool; full precision, or (`--bits` 8, 4) quantised as KV_COMPRESSION
 keeps them once they leave the window, but for 16-31 recent tokens. Torch's path dequantises
 quantised blocks into a copy first (with the C reader, as the engine does on a CPU). A timed call is one step's decode attention: every layer once.
+`--drafts N` lays each sequence out as a decode and N draft rows over one history, as a step of
+guesses does; `--against REV` adds this CPU's kernel built from the engine's C files at git
+revision REV, to compare a change with what came before it in the same run.
 Readers run in rotated order every round; the median round's time is reported, with the speed
 against torch's (torch's time over the reader's) taken within each round. Each reader's output
 is checked against torch's before it is timed.
 
     python -m bench.decode_attention --out bench/results/decode-attention-cpu.json
+    python -m bench.decode_attention --bits 16 --history 480 --drafts 1 --against 97dcf64 \
+        --out bench/results/decode-attention-cpu-epyc-drafts1.json
 """
 
 from __future__ import annotations
@@ -41,10 +46,15 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 14, 2, 64, 16
 
 
-def builds() -> dict[str, NativeKernel]:
+def builds(against: tuple[str, ...] = ()) -> dict[str, NativeKernel]:
     """Name -> the kernel built for each path this CPU runs (its own with AMX tiles, where it has
-    them, and without: KV_KERNEL=avx512)."""
+    them, and without: KV_KERNEL=avx512), and this CPU's own built from each revision `against`."""
     found: dict[str, NativeKernel] = {}
+    for revision in against:
+        earlier = common.kernel_at(revision)
+        if earlier is None:
+            raise SystemExit(f"the native kernel at {revision} did not build")
+        found[f"in place, this CPU's at {revision}"] = earlier
     for choice, kernel in common.kernel_builds().items():
         if choice == "auto" and kernel.tiles:
             found[f"in place, this CPU's without tiles ({kernel.attention_isa})"] = replace(
@@ -60,10 +70,12 @@ def builds() -> dict[str, NativeKernel]:
 
 
 def paged(
-    dtype: torch.dtype, layers: int, seqs: int, history: int, bits: int
+    dtype: torch.dtype, layers: int, seqs: int, history: int, bits: int, drafts: int = 0
 ) -> tuple[KVCache, list[SeqSlice]]:
     """Sequences of ~`history` tokens: all full precision (`bits` 16), or all in quantised blocks
-    of `bits` but for their last 16 tokens, as with KV_COMPRESSION after the window moved on."""
+    of `bits` but for their last 16 tokens, as with KV_COMPRESSION after the window moved on.
+    With `drafts`, each sequence is a decode and that many draft tokens, rows side by side over
+    one history, each a token longer (as the engine lays out a step of guesses)."""
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(int(history * 0.8), int(history * 1.2) + 1, (seqs,), generator=gen).tolist()
     shape = KVShape(layers, KV_HEADS, HEAD_DIM, dtype)
@@ -84,14 +96,19 @@ def paged(
     cache.keys.copy_(torch.randn(cache.keys.shape, generator=gen))
     cache.values.copy_(torch.randn(cache.values.shape, generator=gen))
     slices, used, used_cold = [], 0, 0
-    for i, (n, blocks, q) in enumerate(zip(hot, tables, quantised, strict=True)):
+    for n, blocks, q in zip(hot, tables, quantised, strict=True):
         cold = cold_order[used_cold : used_cold + q] if q else None
-        slices.append(SeqSlice(i, 1, slots_of(order[used : used + blocks], n, BLOCK), cold, q * BLOCK))
+        slots = slots_of(order[used : used + blocks], n, BLOCK)
+        for d in range(drafts + 1):
+            held = slots[: n - drafts + d]
+            slices.append(SeqSlice(len(slices), 1, held, cold, q * BLOCK))
         used, used_cold = used + blocks, used_cold + q
     return cache, slices
 
 
-def readers(cache: KVCache, seqs: list[SeqSlice]) -> dict[str, Callable[[torch.Tensor, int], torch.Tensor]]:
+def readers(
+    cache: KVCache, seqs: list[SeqSlice], against: tuple[str, ...] = ()
+) -> dict[str, Callable[[torch.Tensor, int], torch.Tensor]]:
     """Name -> one layer's decode attention (query (H, B, D), layer) -> (B, H, D)."""
     groups = group_decodes(seqs, KV_HEADS, BLOCK, torch.device("cpu"))
     decodes, _ = in_place_decodes(seqs, cold=cache.cold is not None)
@@ -111,7 +128,7 @@ def readers(cache: KVCache, seqs: list[SeqSlice]) -> dict[str, Callable[[torch.T
 
         return read
 
-    return {"gathered (torch)": gathered} | {name: in_place(k) for name, k in builds().items()}
+    return {"gathered (torch)": gathered} | {name: in_place(k) for name, k in builds(against).items()}
 
 
 def one_step(read: Callable[[torch.Tensor, int], torch.Tensor], query: torch.Tensor, layers: int) -> None:
@@ -127,17 +144,24 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="steps timed per reader and round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--bits", default="16,8,4", help="16: full-precision history; 8, 4: quantised")
+    parser.add_argument("--drafts", type=int, default=0, help="draft rows beside each sequence's decode")
+    parser.add_argument(
+        "--against",
+        default="",
+        help="git revisions whose kernel (this CPU's build) runs beside, comma-separated",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/decode-attention.json"))
     args = parser.parse_args()
     console = Console(width=160)
     table = Table("dtype", "history", "reader", "ms per step (median)", "GB/s (history at full precision)", "speed vs torch (median)",
-                  title=f"decode attention, {args.seqs} sequences x ~{args.history} tokens, {args.layers} "
+                  title=f"decode attention, {args.seqs} sequences x ~{args.history} tokens, {args.drafts} drafts each, {args.layers} "
                         f"layers, {args.rounds} rounds")  # fmt: skip
     cases: list[dict[str, Any]] = []
+    against = tuple(r for r in args.against.split(",") if r)
     for dtype_name, dtype, bits in [(n, d, int(b)) for n, d in DTYPES.items() for b in args.bits.split(",")]:
-        cache, seqs = paged(dtype, args.layers, args.seqs, args.history, bits)
-        query = torch.randn(HEADS, args.seqs, HEAD_DIM, generator=torch.Generator().manual_seed(1)).to(dtype)
-        reads = readers(cache, seqs)
+        cache, seqs = paged(dtype, args.layers, args.seqs, args.history, bits, args.drafts)
+        query = torch.randn(HEADS, len(seqs), HEAD_DIM, generator=torch.Generator().manual_seed(1)).to(dtype)
+        reads = readers(cache, seqs, against)
         with torch.inference_mode():
             reference = reads["gathered (torch)"](query, 0).float()
             step = 2**-6 if dtype == torch.bfloat16 else 1e-5

@@ -315,20 +315,23 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
 
-@functools.cache  # one build per process and target: the library is read-only once loaded
-def load(march: str = "native") -> NativeKernel | None:
+@functools.cache  # one build per process, target and sources: the library is read-only once loaded
+def load(march: str = "native", source_dir: Path | None = None) -> NativeKernel | None:
     """The kernel built for this machine, or None (logged once) where it cannot be built.
 
     `march` is the compiler's target; the engine always builds for `native` (this CPU). Another
     target (`haswell`: AVX2, `x86-64`: the portable loop) lets a test or a benchmark run the
-    paths of a CPU older than this one; a path this CPU lacks would stop the process."""
+    paths of a CPU older than this one; a path this CPU lacks would stop the process.
+    `source_dir`: where the C files lie, if not beside this module (a benchmark builds an earlier
+    revision's)."""
     compiler = _compiler()
     if compiler is None:
         log.warning("no C compiler (CC, cc or gcc) found: quantised KV blocks are read with torch")
         return None
     with tempfile.TemporaryDirectory(prefix="deepanalyze-kv-") as folder:
         target = Path(folder) / "kv_native.so"
-        command = [compiler, *FLAGS, f"-march={march}", *map(str, SOURCES), "-o", str(target)]
+        sources = SOURCES if source_dir is None else tuple(source_dir / source.name for source in SOURCES)
+        command = [compiler, *FLAGS, f"-march={march}", *map(str, sources), "-o", str(target)]
         try:
             try:
                 _build([*command, OPENMP])
