@@ -201,19 +201,17 @@ static inline __attribute__((always_inline)) void score_heads(const __m512i *key
 }
 
 /* scores[g * n + j] = scale * (query head first + g . key j) for the k <= 16 bf16 keys at
- * slots[0 .. k) of KV head kv, every query head g < groups: the keys transposed into pairs in
- * registers (to `keys`, dim / 2 vectors of work space) and scored 16 at a time, a query's pair
- * broadcast against them (products of pairs exact in float32, summed in float32). */
-static void score_tile_bf16(const attention *a, int64_t first, int64_t kv, const int64_t *slots, int64_t k,
+ * rows[0 .. k), every query head g < groups: the keys transposed into pairs in registers (to
+ * `keys`, dim / 2 vectors of work space) and scored 16 at a time, a query's pair broadcast against
+ * them (products of pairs exact in float32, summed in float32). */
+static void score_tile_bf16(const attention *a, int64_t first, const uint16_t *const *rows, int64_t k,
                             int64_t groups, int64_t n, float *scores, __m512i *keys) {
     int64_t dim = a->dim;
-    __m512i rows[16], pairs[16];
+    __m512i lines[16], pairs[16];
     for (int64_t c = 0; c < dim / 32; c++) { /* 32 channels (16 pairs) of the 16 keys at a time */
-        for (int64_t j = 0; j < 16; j++) {
-            const uint16_t *key = (const uint16_t *)a->keys + (slots[j < k ? j : 0] * a->kv_heads + kv) * dim;
-            rows[j] = j < k ? _mm512_loadu_si512(key + 32 * c) : _mm512_setzero_si512();
-        }
-        transpose16(rows, pairs);
+        for (int64_t j = 0; j < 16; j++)
+            lines[j] = j < k ? _mm512_loadu_si512(rows[j] + 32 * c) : _mm512_setzero_si512();
+        transpose16(lines, pairs);
         for (int r = 0; r < 16; r++)
             _mm512_storeu_si512(keys + 16 * c + r, pairs[r]);
     }
@@ -253,13 +251,13 @@ static inline __attribute__((always_inline)) void weigh_slot(const uint16_t *pai
         _mm512_storeu_ps(acc + g * stride, _mm512_add_ps(_mm512_loadu_ps(acc + g * stride), sums[g]));
 }
 
-/* mixed[g][0 .. dim) += the k <= TILE bf16 values at slots[0 .. k) weighed by probs[g * n + 0 .. k)
+/* mixed[g][0 .. dim) += the k <= TILE bf16 values at rows[0 .. k) weighed by probs[g * n + 0 .. k)
  * for every query head g < groups: the probabilities rounded to bf16 first, as torch's bf16 path
  * casts its softmax to the values' dtype before their product, and the products of a pair of keys
  * summed in float32 by dpbf16. `pairs` (TILE * dim bf16) and `weights` (groups * TILE / 2 pairs)
  * are work space. `mixed` is in the interleaved order that unpacking a pair of value rows leaves:
  * channel 32c + 8L + 4h + i in lane 4L + i of its slot 2c + h; `unmix` puts it back. */
-static void weigh_tile_bf16(const attention *a, int64_t kv, const int64_t *slots, int64_t k, const float *probs,
+static void weigh_tile_bf16(const attention *a, const uint16_t *const *rows, int64_t k, const float *probs,
                             int64_t n, int64_t groups, uint16_t *pairs, uint32_t *weights, float *mixed) {
     int64_t dim = a->dim, nslots = dim / 16, npairs = (k + 1) / 2;
     for (int64_t g = 0; g < groups; g++)
@@ -271,10 +269,7 @@ static void weigh_tile_bf16(const attention *a, int64_t kv, const int64_t *slots
             _mm512_storeu_si512(weights + g * (TILE / 2) + j / 2, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
         }
     for (int64_t i = 0; i < npairs; i++) { /* keys 2i, 2i + 1 (the first twice past k: weight 0) */
-        const uint16_t *ra = (const uint16_t *)a->values + (slots[2 * i] * a->kv_heads + kv) * dim;
-        const uint16_t *rb = ra;
-        if (2 * i + 1 < k)
-            rb = (const uint16_t *)a->values + (slots[2 * i + 1] * a->kv_heads + kv) * dim;
+        const uint16_t *ra = rows[2 * i], *rb = 2 * i + 1 < k ? rows[2 * i + 1] : ra;
         for (int64_t c = 0; c < dim / 32; c++) {
             __m512i va = _mm512_loadu_si512(ra + 32 * c), vb = _mm512_loadu_si512(rb + 32 * c);
             _mm512_storeu_si512(pairs + (i * nslots + 2 * c) * 32, _mm512_unpacklo_epi16(va, vb));
@@ -296,6 +291,47 @@ static void weigh_tile_bf16(const attention *a, int64_t kv, const int64_t *slots
             default: weigh_slot(pairs, nslots, s, w, npairs, 8, out, dim); break;
             }
         }
+}
+
+/* Tokens t .. t + k of row r (a block of one KV head) of a quantised layer as bf16 rows, its keys
+ * or (`values`) its values, into out[j * dim]: centred code * scale + offset by one fused
+ * multiply-add in float32, rounded once, as kv_native.c's reader dequantises them (bf16 scales and
+ * offsets: keys' per channel of the row, values' per token; 4-bit codes two to a byte, channel d
+ * in the low nibble and d + dim / 2 in the high one, centre 8). dim a multiple of 32. */
+static void cold_rows_bf16(const cold_layer *c, int64_t r, int64_t t, int64_t k, int64_t dim, int values,
+                           uint16_t *out) {
+    const uint16_t *scales = (const uint16_t *)(values ? c->value_scale : c->key_scale);
+    const uint16_t *offsets = (const uint16_t *)(values ? c->value_offset : c->key_offset);
+    const void *all = values ? c->value_codes : c->key_codes;
+    for (int64_t j = 0; j < k; j++) {
+        __m512 scale = _mm512_setzero_ps(), offset = _mm512_setzero_ps();
+        if (values) {
+            scale = _mm512_set1_ps(bf16_to_f32(scales[r * c->block + t + j]));
+            offset = _mm512_set1_ps(bf16_to_f32(offsets[r * c->block + t + j]));
+        }
+        for (int64_t d = 0; d < dim; d += 16) {
+            __m512 code; /* channels d .. d + 16, centred, as codes_f32 gives them */
+            if (c->bits == 8) {
+                const int8_t *p = (const int8_t *)all + (r * c->block + t + j) * dim + d;
+                code = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+            } else if (d < dim / 2) { /* low nibbles: the first half of the channels */
+                const uint8_t *p = (const uint8_t *)all + (r * c->block + t + j) * (dim / 2) + d;
+                __m512i byte = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+                code = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(byte, _mm512_set1_epi32(15)),
+                                                           _mm512_set1_epi32(8)));
+            } else { /* high nibbles: the second half */
+                const uint8_t *p = (const uint8_t *)all + (r * c->block + t + j) * (dim / 2) + d - dim / 2;
+                __m512i byte = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+                code = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(byte, 4), _mm512_set1_epi32(8)));
+            }
+            if (!values) {
+                scale = bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(scales + r * dim + d)));
+                offset = bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(offsets + r * dim + d)));
+            }
+            __m512 x = _mm512_fmadd_ps(code, scale, offset);
+            _mm256_storeu_si256((__m256i *)(out + j * dim + d), (__m256i)_mm512_cvtneps_pbh(x));
+        }
+    }
 }
 
 /* acc[g][..] += mixed[g][..] put back in channel order (see weigh_tile_bf16). */
@@ -463,7 +499,10 @@ static void cold_values(const attention *a, const cold_layer *c, const int64_t *
 
 /* One (sequence, KV head) pair: its `groups` query heads over its history, the `m` quantised
  * blocks at `blocks` (none without `c`) and then the `hot` full-precision tokens at `slots`.
- * bf16 values are weighed by weigh_tile_bf16 on the AVX-512 BF16 build, else as float32 rows. */
+ * bf16 history on the AVX-512 BF16 build without tiles is scored and weighed as bf16 rows by
+ * score_tile_bf16 and weigh_tile_bf16, quantised blocks dequantised to bf16 rows first (as
+ * torch's path reads them); elsewhere as float32 rows (quantised ones by cold_scores and
+ * cold_values, in their own format). */
 static void attend_pair(const attention *a, const cold_layer *c, int64_t seq, int64_t kv, const int64_t *blocks,
                         int64_t m, const int64_t *slots, int64_t hot, const int64_t *next, int64_t next_hot,
                         int64_t next_kv, float *work, uint8_t *space) {
@@ -481,12 +520,26 @@ static void attend_pair(const attention *a, const cold_layer *c, int64_t seq, in
     uint16_t *pairs = (uint16_t *)(params + 2 * dim + 2 * block); /* [TILE / 2][dim][2]: weigh_tile_bf16 */
     uint32_t *weights = (uint32_t *)(pairs + TILE * dim);  /* [groups][TILE / 2] */
     float *mixed = (float *)(weights + groups * TILE / 2); /* [groups][dim]: its sums, interleaved */
-    int bf16_values = ATT_AVX512 && !a->fp32 && dim % 32 == 0; /* weighed where they lie, dpbf16 */
-    int bf16_keys = ATT_AVX512 && !a->fp32 && dim % 32 == 0; /* scored where they lie, dpbf16 */
     int tiles = space != NULL && !a->fp32 && dim % 64 == 0 && groups <= 16; /* bf16 keys and values by AMX */
+    int vectors = ATT_AVX512 && !tiles && !a->fp32 && dim % 32 == 0; /* bf16 by AVX-512 BF16's dpbf16 */
     const float *rows[TILE];
-    if (cold && !tiles)
+    const uint16_t *lines[TILE];      /* with vectors: bf16 rows where they lie, or dequantised */
+    uint16_t *dequantised_rows = (uint16_t *)tile; /* with vectors: 16 tokens of a quantised block */
+#if !ATT_AVX512
+    (void)lines, (void)dequantised_rows, (void)mixed; /* vectors is 0 */
+#endif
+    if (cold && !tiles && !vectors)
         cold_scores(a, c, blocks, m, kv, first, n, scores, q, qs, params, tile);
+#if ATT_AVX512
+    for (int64_t b = 0; cold && vectors && b < m; b++) /* quantised blocks as bf16 rows, 16 tokens at a time */
+        for (int64_t t = 0; t < c->block; t += 16) {
+            int64_t k = c->block - t < 16 ? c->block - t : 16;
+            cold_rows_bf16(c, blocks[b] * a->kv_heads + kv, t, k, dim, 0, dequantised_rows);
+            for (int64_t j = 0; j < k; j++)
+                lines[j] = dequantised_rows + j * dim;
+            score_tile_bf16(a, first, lines, k, groups, n, scores + b * c->block + t, (__m512i *)pairs);
+        }
+#endif
 #if ATT_AMX
     attention dequantised = *a; /* with tiles, the quantised blocks as bf16 rows past the tiles' space */
     int64_t *order = NULL;
@@ -508,14 +561,16 @@ static void attend_pair(const attention *a, const cold_layer *c, int64_t seq, in
             prefetch_rows(a, a->keys, slots + t + 32, hot - t - 32 < 16 ? hot - t - 32 : 16, kv);
         if (ahead < next_hot)
             prefetch_rows_l2(a, a->keys, next + ahead, next_hot - ahead < share ? next_hot - ahead : share, next_kv);
-        for (int64_t j = 0; !bf16_keys && j < k; j++)
-            rows[j] = row_f32(a, a->keys, slots[t + j] * a->kv_heads + kv, tile + j * dim);
 #if ATT_AVX512
-        if (bf16_keys) {
-            score_tile_bf16(a, first, kv, slots + t, k, groups, n, scores + cold + t, (__m512i *)pairs);
+        if (vectors) {
+            for (int64_t j = 0; j < k; j++)
+                lines[j] = (const uint16_t *)a->keys + (slots[t + j] * a->kv_heads + kv) * dim;
+            score_tile_bf16(a, first, lines, k, groups, n, scores + cold + t, (__m512i *)pairs);
             continue;
         }
 #endif
+        for (int64_t j = 0; j < k; j++)
+            rows[j] = row_f32(a, a->keys, slots[t + j] * a->kv_heads + kv, tile + j * dim);
         for (int64_t g = 0; g < groups; g++) {
             float *out = scores + g * n + cold + t;
             score_rows(row_f32(a, a->query, first + g, q), rows, k, dim, a->scale, 0.0f, out);
@@ -525,8 +580,20 @@ static void attend_pair(const attention *a, const cold_layer *c, int64_t seq, in
         softmax(scores + g * n, n);
     memset(acc, 0, (size_t)(groups * dim) * sizeof(float));
     memset(offsets, 0, (size_t)groups * sizeof(float));
-    if (cold && !tiles)
+    if (cold && !tiles && !vectors)
         cold_values(a, c, blocks, m, kv, n, scores, acc, offsets, params, tile, w);
+#if ATT_AVX512
+    if (vectors)
+        memset(mixed, 0, (size_t)(groups * dim) * sizeof(float));
+    for (int64_t b = 0; cold && vectors && b < m; b++)
+        for (int64_t t = 0; t < c->block; t += 16) {
+            int64_t k = c->block - t < 16 ? c->block - t : 16;
+            cold_rows_bf16(c, blocks[b] * a->kv_heads + kv, t, k, dim, 1, dequantised_rows);
+            for (int64_t j = 0; j < k; j++)
+                lines[j] = dequantised_rows + j * dim;
+            weigh_tile_bf16(a, lines, k, scores + b * c->block + t, n, groups, pairs, weights, mixed);
+        }
+#endif
 #if ATT_AMX
     if (cold && tiles)
         amx_values(&dequantised, 0, order, cold, n, scores, acc, space);
@@ -544,12 +611,10 @@ static void attend_pair(const attention *a, const cold_layer *c, int64_t seq, in
             prefetch_rows_l2(a, a->values, next + ahead, next_hot - ahead < share ? next_hot - ahead : share,
                              next_kv);
 #if ATT_AVX512
-        if (bf16_values) {
-            if (t == 0)
-                memset(mixed, 0, (size_t)(groups * dim) * sizeof(float));
-            weigh_tile_bf16(a, kv, slots + t, k, scores + cold + t, n, groups, pairs, weights, mixed);
-            if (t + TILE >= hot)
-                unmix(mixed, groups, dim, acc);
+        if (vectors) {
+            for (int64_t j = 0; j < k; j++)
+                lines[j] = (const uint16_t *)a->values + (slots[t + j] * a->kv_heads + kv) * dim;
+            weigh_tile_bf16(a, lines, k, scores + cold + t, n, groups, pairs, weights, mixed);
             continue;
         }
 #endif
@@ -558,6 +623,10 @@ static void attend_pair(const attention *a, const cold_layer *c, int64_t seq, in
         for (int64_t g = 0; g < groups; g++)
             weigh_rows(rows, scores + g * n + cold + t, k, dim, acc + g * dim);
     }
+#if ATT_AVX512
+    if (vectors)
+        unmix(mixed, groups, dim, acc);
+#endif
     for (int64_t g = 0; g < groups; g++) {
         int64_t at = (first + g) * dim;
         const float *ag = acc + g * dim;

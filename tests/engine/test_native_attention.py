@@ -171,7 +171,9 @@ def test_every_build_attends_to_quantised_blocks_in_place_as_dequantising_by_han
     bits: int, head_dim: int, dtype: torch.dtype
 ) -> None:
     """Quantised blocks out of order, sequences with and without them: each build gives float64
-    attention over the history dequantised by hand, to float32 rounding (bf16: one rounding)."""
+    attention over the history dequantised by hand, to float32 rounding (bf16: to bf16's, where
+    the build weighs bf16 history as bf16 (AVX-512 BF16 vectors, AMX tiles) with the quantised
+    blocks dequantised to bf16 rows and the probabilities rounded to bf16 first)."""
     native_kernel()
     cache, seqs = with_quantised_history(KVShape(1, 2, head_dim, dtype), bits, seed=bits + head_dim)
     query = torch.randn(14, len(seqs), head_dim, generator=torch.Generator().manual_seed(2)).to(dtype)
