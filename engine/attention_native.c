@@ -780,10 +780,11 @@ int kv_prefill_attention(const void *query, int64_t head_stride, int64_t token_s
     int64_t kv_pad = (kv_len + 31) / 32 * 32;
     /* keys [kv_heads][kv_pad][dim], values [kv_heads][dim][kv_pad], and a value row per KV head */
     uint16_t *gathered = aligned_alloc(64, (size_t)((2 * kv_pad + 1) * kv_heads * dim) * 2);
-    float *codes = malloc((size_t)(kv_heads * dim) * sizeof(float));
-    if (gathered == NULL || codes == NULL) {
+    int64_t block = cold != NULL ? cold->block : 1; /* a quantised block's values, per KV head: */
+    uint16_t *block_values = malloc((size_t)(kv_heads * block * dim) * 2);
+    if (gathered == NULL || block_values == NULL) {
         free(gathered);
-        free(codes);
+        free(block_values);
         return -1;
     }
     uint16_t *k = gathered, *vt = gathered + kv_heads * kv_pad * dim;
@@ -806,12 +807,23 @@ int kv_prefill_attention(const void *query, int64_t head_stride, int64_t token_s
                 prefetch_rows(&a, a.keys, slots + (j + 16 - cold_len), 1, h);
                 prefetch_rows(&a, a.values, slots + (j + 16 - cold_len), 1, h);
             }
-            history_row(&a, cold, cold_len, slots, h, j, codes + h * dim, key, row);
+            const uint16_t *value = row;
+            if (j < cold_len) { /* quantised: a block at a time, its keys straight into their rows */
+                uint16_t *values_h = block_values + h * block * dim;
+                if (j % block == 0) {
+                    int64_t r = cold->blocks[cold->starts[0] + j / block] * kv_heads + h;
+                    cold_rows_bf16(cold, r, 0, block, dim, 0, key);
+                    cold_rows_bf16(cold, r, 0, block, dim, 1, values_h);
+                }
+                value = values_h + j % block * dim;
+            } else {
+                history_row(&a, cold, cold_len, slots, h, j, NULL, key, row);
+            }
             for (int64_t d = 0; d < dim; d++)
-                vt[(h * dim + d) * kv_pad + j] = row[d];
+                vt[(h * dim + d) * kv_pad + j] = value[d];
         }
     }
-    free(codes);
+    free(block_values);
     chunk c = {(const uint16_t *)query, head_stride, token_stride, k, vt, kv_len, kv_pad, q_len, kv_heads,
                groups, dim, scale, (uint16_t *)out};
     int64_t blocks = (q_len + 15) / 16, items = kv_heads * groups * blocks;
