@@ -153,7 +153,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results/decode-attention.json"))
     args = parser.parse_args()
     console = Console(width=160)
-    table = Table("dtype", "history", "reader", "ms per step (median)", "GB/s (history at full precision)", "speed vs torch (median)",
+    table = Table("dtype", "history", "reader", "ms per step (median)", "GB/s (every row's history at full precision)", "speed vs torch (median)",
                   title=f"decode attention, {args.seqs} sequences x ~{args.history} tokens, {args.drafts} drafts each, {args.layers} "
                         f"layers, {args.rounds} rounds")  # fmt: skip
     cases: list[dict[str, Any]] = []
