@@ -233,28 +233,6 @@ static inline void prefetch_rows(const attention *a, const void *base, const int
     fetch_rows(a, base, slots, m, kv, 0);
 }
 
-/* With a pair's tile of `size` of its `hot` tokens at t: asks for its own rows `lead` tokens on
- * (at t = 0 for the first `lead` too), and for a tile's share of the thread's next pair's rows
- * (`next`, `next_hot` tokens of KV head `next_kv`), into the second-level cache. */
-static inline void fetch_ahead(const attention *a, const void *base, const int64_t *slots, int64_t hot, int64_t kv,
-                               int64_t t, int64_t size, int64_t lead, const int64_t *next, int64_t next_hot,
-                               int64_t next_kv) {
-    if (t == 0)
-        prefetch_rows(a, base, slots, hot < lead ? hot : lead, kv);
-    if (t + lead < hot)
-        prefetch_rows(a, base, slots + t + lead, hot - t - lead < size ? hot - t - lead : size, kv);
-    int64_t tiles = (hot + size - 1) / size, share = (next_hot + tiles - 1) / tiles, ahead = t / size * share;
-    if (ahead < next_hot)
-        fetch_rows(a, base, next + ahead, next_hot - ahead < share ? next_hot - ahead : share, next_kv, 1);
-}
-
-/* lines[j] = the bf16 row of slots[j] and KV head kv in a layer's keys or values, j < k. */
-static inline void bf16_rows(const attention *a, const void *base, const int64_t *slots, int64_t k, int64_t kv,
-                             const uint16_t **lines) {
-    for (int64_t j = 0; j < k; j++)
-        lines[j] = (const uint16_t *)base + (slots[j] * a->kv_heads + kv) * a->dim;
-}
-
 /* Floats of work space one pair needs, for histories of up to `longest` tokens. */
 static int64_t work_floats(int64_t groups, int64_t dim, int64_t longest, int64_t block) {
     int64_t rows = block > TILE ? block : TILE;
@@ -381,12 +359,21 @@ static void attend_pair(const attention *a, const cold_layer *c, int64_t seq, in
     if (tiles)
         amx_scores(a, first, kv, slots, hot, n, scores + cold, space);
 #endif
+    /* Keys: the first two tiles now, later ones two tiles ahead; and with each tile a share of the
+     * next pair's keys (`next`, `next_hot` tokens of KV head `next_kv`), into the second level. */
+    if (!tiles)
+        prefetch_rows(a, a->keys, slots, hot < 32 ? hot : 32, kv);
+    int64_t share = (next_hot + (hot + 15) / 16 - 1) / ((hot + 15) / 16);
     for (int64_t t = 0; !tiles && t < hot; t += 16) { /* a tile of keys at a time, every query head: read once */
-        int64_t k = hot - t < 16 ? hot - t : 16;
-        fetch_ahead(a, a->keys, slots, hot, kv, t, 16, 32, next, next_hot, next_kv); /* two tiles ahead */
+        int64_t k = hot - t < 16 ? hot - t : 16, ahead = t / 16 * share;
+        if (t + 32 < hot)
+            prefetch_rows(a, a->keys, slots + t + 32, hot - t - 32 < 16 ? hot - t - 32 : 16, kv);
+        if (ahead < next_hot)
+            fetch_rows(a, a->keys, next + ahead, next_hot - ahead < share ? next_hot - ahead : share, next_kv, 1);
 #if ATT_AVX512
         if (vectors) {
-            bf16_rows(a, a->keys, slots + t, k, kv, lines);
+            for (int64_t j = 0; j < k; j++)
+                lines[j] = (const uint16_t *)a->keys + (slots[t + j] * a->kv_heads + kv) * dim;
             score_tile_bf16(a, first, lines, k, groups, n, scores + cold + t, (__m512i *)pairs);
             continue;
         }
@@ -422,12 +409,19 @@ static void attend_pair(const attention *a, const cold_layer *c, int64_t seq, in
     if (tiles)
         amx_values(a, kv, slots, hot, n, scores + cold, acc, space);
 #endif
+    share = (next_hot + (hot + TILE - 1) / TILE - 1) / ((hot + TILE - 1) / TILE); /* values likewise */
+    if (!tiles)
+        prefetch_rows(a, a->values, slots, hot < TILE ? hot : TILE, kv);
     for (int64_t t = 0; !tiles && t < hot; t += TILE) {
-        int64_t k = hot - t < TILE ? hot - t : TILE;
-        fetch_ahead(a, a->values, slots, hot, kv, t, TILE, TILE, next, next_hot, next_kv); /* a tile ahead */
+        int64_t k = hot - t < TILE ? hot - t : TILE, ahead = t / TILE * share;
+        if (t + TILE < hot)
+            prefetch_rows(a, a->values, slots + t + TILE, hot - t - TILE < TILE ? hot - t - TILE : TILE, kv);
+        if (ahead < next_hot)
+            fetch_rows(a, a->values, next + ahead, next_hot - ahead < share ? next_hot - ahead : share, next_kv, 1);
 #if ATT_AVX512
         if (vectors) {
-            bf16_rows(a, a->values, slots + t, k, kv, lines);
+            for (int64_t j = 0; j < k; j++)
+                lines[j] = (const uint16_t *)a->values + (slots[t + j] * a->kv_heads + kv) * dim;
             weigh_tile_bf16(a, lines, k, scores + cold + t, n, groups, pairs, weights, mixed);
             continue;
         }
