@@ -69,9 +69,19 @@ class Format:
     # position, counted), and the groups are quantised over what is left.
     sparse_keys: int = 0
     sparse_values: int = 0
+    # Per (layer, KV head): its (K, V) bits over the layer's. A KV head's keys and values are
+    # quantised on their own (per channel over a block, per token), so each head can hold its own
+    # bits: the plain quantiser only.
+    head_bits: dict[tuple[int, int], tuple[int | None, int | None]] = field(default_factory=dict)
 
-    def bits(self, layer: int) -> tuple[int | None, int | None]:
+    def bits(self, layer: int, head: int | None = None) -> tuple[int | None, int | None]:
+        if head is not None and (layer, head) in self.head_bits:
+            return self.head_bits[(layer, head)]
         return self.layer_bits.get(layer, (self.key_bits, self.value_bits))
+
+    def heads_of(self, layer: int) -> bool:
+        """Whether some KV head of `layer` holds bits of its own."""
+        return any(at == layer for at, _ in self.head_bits)
 
     def key_group(self, layer: int) -> int:
         return self.layer_key_blocks.get(layer, self.key_blocks)
@@ -88,14 +98,17 @@ Codebooks = dict[int, tuple[torch.Tensor, torch.Tensor]]
 HotChannels = dict[int, torch.Tensor]
 
 
-def bytes_ratio(fmt: Format, layers: int, head_dim: int, dtype_bytes: int = 2) -> float:
-    """Cold bytes per token over full precision's, all layers (per KV head: the same for each)."""
+def bytes_ratio(fmt: Format, layers: int, head_dim: int, dtype_bytes: int = 2, kv_heads: int = 1) -> float:
+    """Cold bytes per token over full precision's, all layers and KV heads (`kv_heads` matters only
+    to a format with `head_bits`; without, each head holds the same)."""
     if not fmt.quantise:
         return 1.0
+    if any(head >= kv_heads for _, head in fmt.head_bits):
+        raise ValueError(f"head_bits names a KV head past the {kv_heads} counted")
     full = 2 * head_dim * dtype_bytes  # one token's key and value
     total = 0.0
-    for layer in range(layers):
-        key_bits, value_bits = fmt.bits(layer)
+    for layer, head in ((layer, head) for layer in range(layers) for head in range(kv_heads)):
+        key_bits, value_bits = fmt.bits(layer, head)
         # keys: a scale and an offset per channel and `key_group` blocks; values: per token
         key_scales = 2 * head_dim * dtype_bytes / (BLOCK * fmt.key_group(layer))
         if key_bits is not None and key_bits < fmt.hot_key_bits and fmt.hot_keys:
@@ -117,10 +130,10 @@ def bytes_ratio(fmt: Format, layers: int, head_dim: int, dtype_bytes: int = 2) -
             * (dtype_bytes + 2)
             / BLOCK
         )
-    return total / (layers * full)
+    return total / (layers * kv_heads * full)
 
 
-def counted_ratio(fmt: Format, layers: int, head_dim: int, tokens: int) -> float:
+def counted_ratio(fmt: Format, layers: int, head_dim: int, tokens: int, kv_heads: int = 1) -> float:
     """Bytes per token over full precision's of one sequence of `tokens`, counted as
     `bench.kv_quality` counts the engine's blocks at its last step: whole blocks, the sink blocks,
     the window and the block being written at full precision, every other block at the cold
@@ -129,7 +142,7 @@ def counted_ratio(fmt: Format, layers: int, head_dim: int, tokens: int) -> float
     if not fmt.quantise:
         return blocks * BLOCK / tokens
     cold = max(0, min(blocks, (tokens - fmt.residual) // BLOCK) - fmt.sink_blocks)
-    held = cold * bytes_ratio(fmt, layers, head_dim) + (blocks - cold)
+    held = cold * bytes_ratio(fmt, layers, head_dim, kv_heads=kv_heads) + (blocks - cold)
     return held * BLOCK / tokens
 
 
@@ -344,6 +357,27 @@ def rope_turn(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: fl
     return x * cos[:, None] + sign * turned * sin[:, None]
 
 
+def _per_head(
+    part: torch.Tensor, fmt: Format, layer: int, rotation: tuple[torch.Tensor | None, torch.Tensor | None],
+    keys: bool,
+) -> torch.Tensor:  # fmt: skip
+    """One layer's keys (or values) of a span (tokens, KV heads, head_dim), each KV head
+    fake-quantised at its own bits by the plain quantiser."""
+    if fmt.pre_rope_keys or fmt.codebook or fmt.hot_keys or fmt.hot_values or fmt.value_clips:
+        raise ValueError("head_bits takes the plain quantiser only")
+    if fmt.sparse_keys or fmt.sparse_values:
+        raise ValueError("head_bits takes the plain quantiser only")
+    heads = []
+    for head in range(part.shape[1]):
+        key_bits, value_bits = fmt.bits(layer, head)
+        one = part[:, head : head + 1]
+        quantised = fake_quantise(
+            one, one, key_bits if keys else None, None if keys else value_bits, rotation
+        )
+        heads.append(quantised[0] if keys else quantised[1])
+    return torch.cat(heads, dim=1)
+
+
 def _requantise(
     held: list[Any], fmt: Format, span: slice, rotation: tuple[torch.Tensor | None, torch.Tensor | None], *,
     keys: bool, first_layer: int = 0, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -361,7 +395,9 @@ def _requantise(
         kept = hot_values[layer] if fmt.hot_values and hot_values is not None else None
         tensor = cached.keys if keys else cached.values
         part = tensor[0, :, span].transpose(0, 1)
-        if keys and rope is not None and key_bits is not None:
+        if fmt.heads_of(layer):
+            part = _per_head(part, fmt, layer, rotation, keys)
+        elif keys and rope is not None and key_bits is not None:
             cos, sin = rope[0][span], rope[1][span]
             plain = rope_turn(part, cos, sin, -1.0)
             quantised, _ = fake_quantise(plain, plain, key_bits, None, rotation, levels=levels)

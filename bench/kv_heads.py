@@ -1,0 +1,240 @@
+"""Which KV heads' keys and values to hold at 8 bits: int8 spent by head, not by layer.
+
+The engine's 0.40x profile holds five whole layers at 8 bits (`KV_INT8_LAYERS`), chosen by
+quantising one layer at a time. A KV head's keys and its values are quantised on their own (keys
+per channel over a block, values per token), so each of the 24 x 2 x 2 parts of the default model
+(layer, KV head, keys or values) could hold its own bits, and the same bytes (20 parts at 8 bits,
+what five layers hold) could go to the 20 parts where 4 bits cost most, wherever they lie.
+
+Two steps:
+
+1. **Sweep** (calibration documents the evaluation does not use, `--sweep-dtype`, fp32 by
+   default: its rounding floor is low enough that one part's error shows): each document's prompt
+   is read once unquantised; then, for each part, that part alone of the prompt's cache (past the
+   sink block) is quantised to 4 bits and the model's own greedy continuation is teacher-forced
+   over it; the part's cost is the mean next-token KL against the same continuation over the
+   unquantised cache. Prompt chunks after the first do not read quantised history here (the
+   sweep quantises once, after the prompt), so this ranks parts by what the continuation reads.
+2. **Evaluation** (`--docs` evenly spaced corpus documents, bf16 as the bar is measured, the
+   search's own measure: `bench.kv_fake.logprobs`, cold blocks quantised after every step): the
+   engine's profile (`int4+int8@5layers-w0`) against int4 with the `--parts` costliest parts at 8
+   bits, no window, the sink block, in one run.
+
+    python -m bench.kv_heads --docs 12 --parts 16,20,24 --out bench/results/kv-heads-cpu.json
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from bench import common
+from bench.kv_calibration import calibration_documents
+from bench.kv_fake import (
+    BLOCK,
+    SINK_BLOCKS,
+    Format,
+    bytes_ratio,
+    counted_ratio,
+    fake_quantise,
+    head_size,
+    logprobs,
+)
+from bench.kv_formats import FORMATS, continuations
+
+PROFILE = "int4+int8@5layers-w0"
+
+Part = tuple[int, int, str]  # (layer, KV head, "keys" | "values")
+
+
+@dataclass
+class Evaluated:
+    format: str
+    parts: int  # parts at 8 bits (the profile: its five layers' 20)
+    bytes_ratio: float
+    counted_ratio: float
+    kl_mean: float
+    kl_per_doc: list[float]
+    top1: float
+    seconds: float
+
+
+def part_costs(model: Any, seqs: list[tuple[torch.Tensor, int]], bits: int = 4) -> dict[Part, float]:
+    """Each part's mean next-token KL (over the documents' continuations) with that part alone of
+    the prompt's cache quantised to `bits`, the sink block kept."""
+    from transformers import DynamicCache
+
+    config = model.config
+    parts = [
+        (layer, head, kind)
+        for layer in range(config.num_hidden_layers)
+        for head in range(config.num_key_value_heads)
+        for kind in ("keys", "values")
+    ]
+    kls: dict[Part, list[float]] = {part: [] for part in parts}
+    with torch.inference_mode():
+        for ids, prompt_len in seqs:
+            cache = DynamicCache()
+            last = model(input_ids=ids[None, :prompt_len], cache=cache, use_cache=True).logits[0, -1:]
+            rest = ids[None, prompt_len:-1]
+            reference = _continue(model, cache, rest, last)
+            cold = slice(SINK_BLOCKS * BLOCK, prompt_len // BLOCK * BLOCK)
+            for layer, head, kind in parts:
+                held = cast(Any, cache.layers[layer])
+                tensor = held.keys if kind == "keys" else held.values
+                saved = tensor[0, head, cold].clone()
+                # (tokens, 1 head, head_dim) a block at a time, as the store quantises it
+                blocks = saved.view(-1, BLOCK, 1, saved.shape[-1])
+                quantised = torch.cat([
+                    fake_quantise(b, b, bits if kind == "keys" else None, bits if kind == "values" else None,
+                                  (None, None))[0 if kind == "keys" else 1]
+                    for b in blocks
+                ])  # fmt: skip
+                tensor[0, head, cold] = quantised.view_as(saved)
+                # the continuation's own first logits come from the prompt's last token, unquantised
+                test = _continue(model, cache, rest, last)[1:]
+                # the continuation replaced the cache's tensors (concatenated, then cropped)
+                held = cast(Any, cache.layers[layer])
+                (held.keys if kind == "keys" else held.values)[0, head, cold] = saved
+                kls[(layer, head, kind)].append(
+                    float((reference[1:].exp() * (reference[1:] - test)).sum(-1).mean())
+                )
+    return {part: statistics.mean(values) for part, values in kls.items()}
+
+
+def _continue(model: Any, cache: Any, rest: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities of the continuation `rest` (1, n) teacher-forced over `cache` (a prompt's),
+    after `last` (the prompt's last logits); the cache is cropped back to the prompt after."""
+    logits = model(input_ids=rest, cache=cache, use_cache=True).logits[0]
+    cache.crop(-rest.shape[1])
+    return torch.log_softmax(torch.cat((last, logits)).float(), dim=-1)
+
+
+def costliest(costs: dict[Part, float], n: int) -> Format:
+    """int4, no window, the sink block, with the `n` costliest parts at 8 bits."""
+    chosen = sorted(costs, key=costs.__getitem__, reverse=True)[:n]
+    heads = {(layer, head) for layer, head, _ in chosen}
+    return Format(
+        residual=0,
+        head_bits={
+            (layer, head): (
+                8 if (layer, head, "keys") in chosen else 4,
+                8 if (layer, head, "values") in chosen else 4,
+            )
+            for layer, head in heads
+        },
+    )
+
+
+def main() -> None:
+    parser = common.parser(__doc__)
+    parser.add_argument("--docs", type=int, default=12, help="evenly spaced corpus documents evaluated")
+    parser.add_argument("--calibration-docs", type=int, default=6, help="corpus documents the sweep runs on")
+    parser.add_argument("--tf-tokens", type=int, default=96, help="continuation tokens the evaluation forces")
+    parser.add_argument("--sweep-tokens", type=int, default=32, help="continuation tokens the sweep forces")
+    parser.add_argument("--sweep-dtype", choices=("bfloat16", "float32"), default="float32")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--parts", default="20", help="comma-separated counts of parts held at 8 bits")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/kv-heads.json"))
+    args = parser.parse_args()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from bench.kv_quality import load_corpus
+
+    console = Console(width=140)
+    args.model = common.model_path(args.model)
+    counts = [int(n) for n in args.parts.split(",") if n]
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+
+    def load(dtype: str) -> Any:
+        model: Any = AutoModelForCausalLM.from_pretrained(
+            args.model, dtype=getattr(torch, dtype), attn_implementation="sdpa"
+        )
+        model.eval()
+        return model
+
+    docs = load_corpus(args.docs)
+    fitted = calibration_documents(docs, args.calibration_docs)
+    began = time.perf_counter()
+    sweeper = load(args.sweep_dtype)
+    costs = part_costs(sweeper, continuations(sweeper, tokenizer, fitted, args.sweep_tokens))
+    sweep_s = time.perf_counter() - began
+    del sweeper
+    ranked = sorted(costs, key=costs.__getitem__, reverse=True)
+    console.print(f"sweep on {[d['document_id'] for d in fitted]} ({sweep_s:.0f} s); costliest parts:")
+    console.print(
+        ", ".join(
+            f"{layer}.{head}.{kind[0]} {costs[(layer, head, kind)]:.6f}" for layer, head, kind in ranked[:24]
+        )
+    )
+
+    model = load(args.dtype)
+    config = model.config
+    layers, kv_heads, head_dim = config.num_hidden_layers, config.num_key_value_heads, head_size(config)
+    seqs = continuations(model, tokenizer, docs, args.tf_tokens)
+    reference = [logprobs(model, ids, n, Format(quantise=False)) for ids, n in seqs]
+    candidates = [(PROFILE, 2 * kv_heads * len(FORMATS[PROFILE].layer_bits), FORMATS[PROFILE])]
+    candidates += [(f"int4+int8@{n}parts-w0", n, costliest(costs, n)) for n in counts]
+    results: list[Evaluated] = []
+    for name, n, fmt in candidates:
+        start = time.perf_counter()
+        kls, top1 = [], []
+        for (ids, prompt_len), ref in zip(seqs, reference, strict=True):
+            test = logprobs(model, ids, prompt_len, fmt)
+            kls.append(float((ref.exp() * (ref - test)).sum(-1).mean()))
+            picked = ref.gather(-1, test.argmax(-1, keepdim=True))
+            top1.append(float((picked == ref.amax(-1, keepdim=True)).float().mean()))
+        counted = statistics.median(
+            counted_ratio(fmt, layers, head_dim, len(ids), kv_heads) for ids, _ in seqs
+        )
+        results.append(Evaluated(name, n, bytes_ratio(fmt, layers, head_dim, kv_heads=kv_heads), counted,
+                                 statistics.mean(kls), kls, statistics.mean(top1), time.perf_counter() - start))  # fmt: skip
+        console.print(f"{name}: KL {results[-1].kl_mean:.5f} at {counted:.3f} counted")
+        write(args, docs, fitted, costs, sweep_s, results, candidates)
+    profile = results[0]
+    table = Table("format", "parts at 8 bits", "cold bytes/token vs bf16", "counted", "KL mean", "lower on",
+                  "median ratio", "top-1", title=f"int8 by KV head part, {len(docs)} documents x {args.tf_tokens} tokens")  # fmt: skip
+    for r in results:
+        ratios = [a / b for a, b in zip(r.kl_per_doc, profile.kl_per_doc, strict=True)]
+        table.add_row(r.format, str(r.parts), f"{r.bytes_ratio:.3f}", f"{r.counted_ratio:.3f}", f"{r.kl_mean:.5f}",
+                      f"{sum(x < 1 for x in ratios)} of {len(ratios)}", f"{statistics.median(ratios):.2f}",
+                      f"{r.top1:.4f}")  # fmt: skip
+    console.print(table)
+    console.print(f"wrote {args.out}")
+
+
+def write(
+    args: Any, docs: list[dict[str, Any]], fitted: list[dict[str, Any]], costs: dict[Part, float], sweep_s: float,
+    results: list[Evaluated], candidates: list[tuple[str, int, Format]],
+) -> None:  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    specs = {name: replace(fmt, head_bits={}) for name, _, fmt in candidates}
+    args.out.write_text(json.dumps({
+        "machine": {"threads": torch.get_num_threads(), "platform": platform.platform(), "torch": torch.__version__},
+        "config": vars(args) | {"model": str(args.model), "out": str(args.out)},
+        "documents": [d["document_id"] for d in docs],
+        "calibration_documents": [d["document_id"] for d in fitted],
+        "sweep_seconds": sweep_s,
+        "part_costs": [
+            {"layer": layer, "head": head, "part": kind, "kl": kl}
+            for (layer, head, kind), kl in sorted(costs.items(), key=lambda item: -item[1])
+        ],
+        "results": [asdict(r) for r in results],
+        "formats": {
+            name: asdict(specs[name]) | {"head_bits": [[layer, head, *bits] for (layer, head), bits in fmt.head_bits.items()]}
+            for name, _, fmt in candidates
+        },
+    }, indent=1, default=str))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
