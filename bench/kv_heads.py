@@ -68,13 +68,16 @@ class Evaluated:
     seconds: float
 
 
-def part_costs(model: Any, seqs: list[tuple[torch.Tensor, int]], bits: int = 4) -> dict[Part, float]:
+def part_costs(
+    model: Any, seqs: list[tuple[torch.Tensor, int]], bits: int = 4, parts: list[Part] | None = None
+) -> dict[Part, float]:
     """Each part's mean next-token KL (over the documents' continuations) with that part alone of
-    the prompt's cache quantised to `bits`, the sink block kept."""
+    the prompt's cache quantised to `bits`, the sink block kept; `parts`: those measured (every
+    part of the model by default)."""
     from transformers import DynamicCache
 
     config = model.config
-    parts = [
+    parts = parts or [
         (layer, head, kind)
         for layer in range(config.num_hidden_layers)
         for head in range(config.num_key_value_heads)

@@ -237,3 +237,26 @@ def test_kept_outliers_are_counted_as_a_value_and_a_position_each() -> None:
     plain, sparse = bytes_ratio(Format(), 24, 64), bytes_ratio(Format(sparse_keys=8, sparse_values=4), 24, 64)
     # per block of 16 tokens and KV head: 12 elements x (2 bytes + a 2-byte position), over 256 bytes a token
     assert sparse - plain == pytest.approx(12 * 4 / 16 / 256)
+
+
+def test_per_head_bits_quantise_that_head_alone_and_all_heads_at_their_layer_s_bits_are_its_format() -> None:
+    model = build_tiny("qwen2").model.eval()
+    ids = torch.randint(3, model.config.vocab_size, (96,), generator=torch.Generator().manual_seed(4))
+    reference = logprobs(model, ids, 64, Format(quantise=False))
+    layer_wide = logprobs(model, ids, 64, Format(residual=0, layer_bits={0: (8, 4)}))
+    heads = {(0, head): (8, 4) for head in range(model.config.num_key_value_heads)}
+    torch.testing.assert_close(logprobs(model, ids, 64, Format(residual=0, head_bits=heads)), layer_wide)
+    one_head = Format(key_bits=None, value_bits=None, residual=0, head_bits={(0, 1): (4, None)})
+    moved = logprobs(model, ids, 64, one_head)
+    other = logprobs(model, ids, 64, replace(one_head, head_bits={(0, 0): (4, None)}))
+    assert not torch.equal(moved, reference) and not torch.equal(moved, other)  # that head's keys alone
+    with pytest.raises(ValueError, match="plain quantiser"):
+        logprobs(model, ids, 64, replace(one_head, hot_keys=4))
+
+
+def test_a_head_at_8_bits_costs_half_of_its_layer_at_8_bits() -> None:
+    plain = bytes_ratio(Format(), 24, 64, kv_heads=2)
+    layer = bytes_ratio(Format(layer_bits={3: (8, 8)}), 24, 64, kv_heads=2)
+    head = bytes_ratio(Format(head_bits={(3, 1): (8, 8)}), 24, 64, kv_heads=2)
+    assert head - plain == pytest.approx((layer - plain) / 2)
+    assert plain == pytest.approx(bytes_ratio(Format(), 24, 64))

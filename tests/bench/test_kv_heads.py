@@ -1,0 +1,41 @@
+"""The per-part sweep measures each part alone (a part's cost does not carry the parts measured
+before it), and the chosen formats hold the bytes of as many parts at 8 bits as they name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.kv_fake import BLOCK, Format, bytes_ratio
+from bench.kv_formats import MIXED
+from bench.kv_heads import costliest, part_costs
+from engine.tiny import build_tiny
+
+
+def test_a_part_costs_the_same_measured_last_in_the_sweep_as_measured_alone() -> None:
+    model = build_tiny("qwen2").model.eval()
+    config = model.config
+    generator = torch.Generator().manual_seed(5)
+    prompt = 6 * BLOCK + 3  # the sink block and five cold blocks
+    seqs = [(torch.randint(3, config.vocab_size, (prompt + 12,), generator=generator), prompt)]
+    costs = part_costs(model, seqs)
+    parts = config.num_hidden_layers * config.num_key_value_heads * 2
+    assert len(costs) == parts
+    last = (config.num_hidden_layers - 1, config.num_key_value_heads - 1, "values")
+    alone = part_costs(model, seqs, parts=[last])[last]
+    assert costs[last] == pytest.approx(alone, rel=1e-6, abs=1e-12)
+    assert max(costs.values()) > 1e-7  # 4 bits disturb some part's history
+
+
+def test_the_costliest_parts_take_8_bits_and_the_bytes_of_as_many_parts() -> None:
+    layers, heads = 24, 2
+    costs = {(layer, head, kind): float(layer * 4 + head * 2 + (kind == "keys"))
+             for layer in range(layers) for head in range(heads) for kind in ("keys", "values")}  # fmt: skip
+    chosen = costliest(costs, 3)  # layer 23's keys of both heads, then head 1's values
+    assert chosen.bits(23, 1) == (8, 8) and chosen.bits(23, 0) == (8, 4) and chosen.bits(22, 1) == (4, 4)
+    # 20 parts at 8 bits hold the bytes of five whole layers at 8 bits
+    assert bytes_ratio(costliest(costs, 20), layers, 64, kv_heads=heads) == pytest.approx(
+        bytes_ratio(MIXED, layers, 64)
+    )
+    with pytest.raises(ValueError, match="KV head"):
+        bytes_ratio(Format(head_bits={(0, 2): (8, 8)}), layers, 64, kv_heads=heads)
