@@ -1,6 +1,6 @@
 """Where a burst's steps spend their time, without a profiler: the peers workload (the first
 `--docs` corpus prompts, `--new-tokens` each with EOS ignored, all at t=0, our engine with its
-defaults but for `--kv-kernel` and `--decode-defer`) run once unmeasured and once timed, every engine step classed as a
+defaults but for `--kv-kernel`, `--kv-profile` and `--decode-defer`) run once unmeasured and once timed, every engine step classed as a
 prompt step (it carries prompt chunks) or a decode step, and within those steps the wall time of
 the model's parts summed: the weights' products (`PackedLinear`), the native attention kernels
 (prompt chunks, decodes), the MLP and attention modules (products included), RMSNorm, rotary
@@ -28,7 +28,9 @@ from rich.table import Table
 
 from bench import common
 from bench.engine_variants import WARM_UP_IDS, engine_run, load_prompts
+from bench.kv_cost import PROFILES
 from engine.config import KVKernel
+from engine.kv_cache import KVCache
 from engine.kv_native import NativeKernel
 from engine.loader import load_model
 from engine.runner import ModelRunner
@@ -94,7 +96,9 @@ def instrument(model: torch.nn.Module, timers: StepTimers) -> list[Callable[[], 
     patches = [(ModelRunner, "step", timers.step(ModelRunner.step)),
                (ModelRunner, "_sample", timers.wrap("sampling", ModelRunner._sample)),
                (NativeKernel, "prefill_attention", timers.wrap("prompt attention (kernel)", NativeKernel.prefill_attention)),
-               (NativeKernel, "decode_attention", timers.wrap("decode attention (kernel)", NativeKernel.decode_attention))]  # fmt: skip
+               (NativeKernel, "decode_attention", timers.wrap("decode attention (kernel)", NativeKernel.decode_attention)),
+               (KVCache, "settle", timers.wrap("blocks quantised (settle)", KVCache.settle)),
+               (KVCache, "locate", timers.wrap("history located", KVCache.locate))]  # fmt: skip
     for owner, name, patched in patches:
         original = getattr(owner, name)
         setattr(owner, name, patched)
@@ -122,19 +126,25 @@ def main() -> None:
         default=None,
         help="the engine's SPECULATIVE_STEP_TOKENS (0: the step's budget; unset: its default)",
     )
+    parser.add_argument(
+        "--kv-profile", default="off", choices=list(PROFILES),
+        help="KV compression as bench.kv_cost names it (its reader replaces --kv-kernel unless off)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("bench/results/engine-steps.json"))
     args = parser.parse_args()
+    kv_bits, kv_reader, int8_layers = PROFILES[args.kv_profile]
     console = Console(width=160)
     loaded = load_model(common.model_path(args.model), dtype="bfloat16")
     prompts = load_prompts(loaded.tokenizer, args.docs)
     timers = StepTimers()
     undo = instrument(loaded.model, timers)
-    kernel: KVKernel = args.kv_kernel
+    kernel: KVKernel = args.kv_kernel if args.kv_profile == "off" else kv_reader
     try:
         engine_run(loaded, [WARM_UP_IDS], 8, [0.0], True, args.max_batch, args.step_tokens, True, 1 << 30)
         timers.active = True
         run = engine_run(loaded, prompts, args.new_tokens, [0.0] * len(prompts), True, args.max_batch,
-                         args.step_tokens, True, 1 << 30, kv_kernel=kernel,
+                         args.step_tokens, True, 1 << 30, kv_bits=kv_bits, kv_kernel=kernel,
+                         kv_int8_layers=int8_layers,
                          decode_defer_steps=args.decode_defer,
                          speculative_tokens=args.speculative_tokens,
                          speculative_step_tokens=args.speculative_step_tokens)  # fmt: skip
