@@ -28,7 +28,6 @@ from rich.table import Table
 
 from bench import common
 from bench.engine_variants import WARM_UP_IDS, engine_run, load_prompts
-from bench.kv_cost import PROFILES
 from engine.config import KVKernel
 from engine.kv_cache import KVCache
 from engine.kv_native import NativeKernel
@@ -47,6 +46,15 @@ class StepTimers:
         }
         self.steps: dict[str, int] = {"prompt": 0, "decode": 0}
         self.active = False
+
+    def reset(self) -> None:
+        for kind in self.seconds.values():
+            kind.clear()
+        self.steps = dict.fromkeys(self.steps, 0)
+
+    def total(self, part: str) -> float:
+        """Seconds in `part` over both kinds of step."""
+        return sum(kind.get(part, 0.0) for kind in self.seconds.values())
 
     def wrap(self, part: str, call: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(call)
@@ -107,6 +115,8 @@ def instrument(model: torch.nn.Module, timers: StepTimers) -> list[Callable[[], 
 
 
 def main() -> None:
+    from bench.kv_cost import PROFILES  # which imports these timers
+
     parser = common.parser(__doc__)
     parser.add_argument("--docs", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=96)

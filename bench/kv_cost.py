@@ -16,7 +16,11 @@ portable), to measure on this CPU what a CPU without AVX-512 reads with.
 This machine's timings vary by several per cent from run to run, so every profile runs in each
 of --rounds rounds, back to back, in an order rotated from round to round; the cost is taken
 within a round (1 - tokens/s over `off`'s tokens/s in that round) and the median round reported,
-every run in the JSON.
+every run in the JSON. Its speed drifts within a run too (the weights' products, the same work in
+every profile, took 9.6-12.2 s from one burst to the next in one quarter hour), so a second cost is
+paced by them: each run's step time per second of the weights' products (`bench.engine_steps`'
+timers), over `off`'s in the same round. What compression adds (quantising blocks, reading them)
+shows in it; the machine's speed does not.
 
     python -m bench.kv_cost --out bench/results/kv-cost-cpu.json
 """
@@ -34,6 +38,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import common
+from bench.engine_steps import StepTimers, instrument
 from bench.engine_variants import engine_run, prompt_ids
 from bench.kv_formats import SENSITIVE
 from bench.kv_quality import load_corpus
@@ -62,10 +67,22 @@ def rotated(names: list[str], round_: int) -> list[str]:
 
 def costs(runs: list[dict[str, Any]], name: str) -> list[float]:
     """Per round: 1 - this profile's tokens/s over `off`'s in the same round."""
+    return [1 - mine / off for mine, off in _pairs(runs, name, "tok_s")]
+
+
+def paced_costs(runs: list[dict[str, Any]], name: str) -> list[float]:
+    """Per round: this profile's step time per second of the weights' products over `off`'s, less 1.
+    The products do the same work in every profile (the same tokens through the same weights), so
+    their time measures how fast the machine ran that minute; this cost does not move with it."""
+    return [mine / off - 1 for mine, off in _pairs(runs, name, "steps_per_product_s")]
+
+
+def _pairs(runs: list[dict[str, Any]], name: str, key: str) -> list[tuple[float, float]]:
+    """(this profile's `key`, `off`'s) in each round that ran both."""
     by_round: dict[int, dict[str, float]] = {}
     for r in runs:
-        by_round.setdefault(r["round"], {})[r["profile"]] = r["tok_s"]
-    return [1 - r[name] / r["off"] for _, r in sorted(by_round.items()) if {name, "off"} <= r.keys()]
+        by_round.setdefault(r["round"], {})[r["profile"]] = r[key]
+    return [(r[name], r["off"]) for _, r in sorted(by_round.items()) if {name, "off"} <= r.keys()]
 
 
 def main() -> None:
@@ -91,32 +108,47 @@ def main() -> None:
     prompts = [prompt_ids(loaded.tokenizer, doc) for doc in load_corpus(args.docs)]
     at = [0.0] * len(prompts)
     runs: list[dict[str, Any]] = []
-    for round_ in range(args.rounds):
-        for name in rotated(names, round_):
-            bits, kernel, int8_layers = PROFILES[name]
-            run = engine_run(
-                loaded, prompts, args.new_tokens, at, True, args.max_batch, args.step_tokens,
-                args.prefix_caching, args.pool_mib << 20, bits, kernel, int8_layers,
-            )  # fmt: skip
-            runs.append({"round": round_, "profile": name, **run.row(), "wall_s": run.wall_s,
-                         "tokens": run.tokens, "extra": run.extra})  # fmt: skip
-            console.print(
-                f"round {round_} {name}: {runs[-1]['tok_s']:.1f} tok/s, p95 {runs[-1]['p95_s']:.1f} s"
-            )
-            write(args, names, runs)
+    timers = StepTimers()
+    undo = instrument(loaded.model, timers)
+    try:
+        for round_ in range(args.rounds):
+            for name in rotated(names, round_):
+                bits, kernel, int8_layers = PROFILES[name]
+                timers.reset()
+                timers.active = True
+                run = engine_run(
+                    loaded, prompts, args.new_tokens, at, True, args.max_batch, args.step_tokens,
+                    args.prefix_caching, args.pool_mib << 20, bits, kernel, int8_layers,
+                )  # fmt: skip
+                timers.active = False
+                steps, products = timers.total("whole step"), timers.total("weights' products")
+                runs.append({"round": round_, "profile": name, **run.row(), "wall_s": run.wall_s,
+                             "tokens": run.tokens, "steps_s": steps, "products_s": products,
+                             "steps_per_product_s": steps / products, "extra": run.extra})  # fmt: skip
+                console.print(
+                    f"round {round_} {name}: {runs[-1]['tok_s']:.1f} tok/s, p95 {runs[-1]['p95_s']:.1f} s, "
+                    f"steps {steps:.1f} s of which the weights' products {products:.1f} s"
+                )
+                write(args, names, runs)
+    finally:
+        for call in undo:
+            call()
 
     table = Table("profile", "reader", "tok/s (median)", "tok/s range", "cost vs off (median round)",
-                  "cost per round", "p95 s", "mean batch", "preemptions",
+                  "cost per round", "paced cost (median round)", "paced per round", "p95 s", "mean batch",
+                  "preemptions",
                   title=f"KV compression cost, {len(prompts)} documents x {args.new_tokens} tokens, "
                         f"batch {args.max_batch}, prefix caching {'on' if args.prefix_caching else 'off'}")  # fmt: skip
     for name in names:
         mine = [r for r in runs if r["profile"] == name]
         rates = [r["tok_s"] for r in mine]
         cost = costs(runs, name) if name != "off" else []
+        paced = paced_costs(runs, name) if name != "off" else []
         table.add_row(
             name, str(mine[0]["extra"].get("kv_reader") or "-"), f"{statistics.median(rates):.1f}",
             f"{min(rates):.1f}-{max(rates):.1f}", f"{statistics.median(cost):.1%}" if cost else "-",
-            " ".join(f"{c:.1%}" for c in cost) or "-", f"{statistics.median(r['p95_s'] for r in mine):.1f}",
+            " ".join(f"{c:.1%}" for c in cost) or "-", f"{statistics.median(paced):.1%}" if paced else "-",
+            " ".join(f"{c:.1%}" for c in paced) or "-", f"{statistics.median(r['p95_s'] for r in mine):.1f}",
             f"{statistics.median(r['extra']['mean_batch'] for r in mine):.2f}",
             str(sum(r["extra"]["preemptions"] for r in mine)),
         )  # fmt: skip
@@ -128,9 +160,12 @@ def write(args: Any, names: list[str], runs: list[dict[str, Any]]) -> None:
     summary = {}
     for name in (n for n in names if n != "off"):
         rates, cost = [r["tok_s"] for r in runs if r["profile"] == name], costs(runs, name)
+        paced = paced_costs(runs, name)
         if rates:
             summary[name] = {"tok_s_median": statistics.median(rates), "cost_per_round": cost,
-                             "cost_median": statistics.median(cost) if cost else None}  # fmt: skip
+                             "cost_median": statistics.median(cost) if cost else None,
+                             "paced_cost_per_round": paced,
+                             "paced_cost_median": statistics.median(paced) if paced else None}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "machine": {"threads": torch.get_num_threads(), "platform": platform.platform(), "torch": torch.__version__},
