@@ -147,7 +147,43 @@ def counted_ratio(fmt: Format, layers: int, head_dim: int, tokens: int, kv_heads
 
 
 def _part(bits: int | None, head_dim: int, dtype_bytes: int, scales: float) -> float:
-    return head_dim * dtype_bytes if bits is None else QuantFormat(bits).code_dim(head_dim) + scales
+    return head_dim * dtype_bytes if bits is None else code_bytes(bits, head_dim) + scales
+
+
+def code_bytes(bits: int, head_dim: int) -> float:
+    """Bytes of codes per head and token at `bits` (the engine's for 8, 6 and 4; for the widths only
+    the search holds, the codes packed tight: head_dim * bits / 8)."""
+    if bits in (4, 6, 8):
+        return QuantFormat(bits).code_dim(head_dim)
+    _levels(bits)
+    return head_dim * bits / 8
+
+
+def part_bytes(bits: int | None, head_dim: int, keys: bool, dtype_bytes: int = 2) -> float:
+    """Bytes per token of one KV head's keys (or values) in one layer at `bits` (None: full
+    precision): codes and scales, keys' scale and offset shared per channel over a block."""
+    scales = 2 * head_dim * dtype_bytes / BLOCK if keys else 2 * dtype_bytes
+    return _part(bits, head_dim, dtype_bytes, scales)
+
+
+def _levels(bits: int) -> int:
+    if not 2 <= bits <= 8:
+        raise ValueError(f"the search quantises at 2 to 8 bits, got {bits}")
+    return (1 << bits) - 1
+
+
+def uniform_round_trip(x: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """`x` quantised at `bits` over groups along `dim` and dequantised, as the engine's quantiser
+    does it for 8, 6 and 4 bits (each group's min and range over 2^bits - 1 levels, the codes
+    rounded in fp32, scale and min held in x's dtype): the widths the engine does not store, for
+    the search."""
+    levels = _levels(bits)
+    work = x.float()
+    low = work.amin(dim=dim, keepdim=True)
+    scale = (work.amax(dim=dim, keepdim=True) - low) / levels
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round((work - low) / scale).clamp_(0, levels)
+    return (codes * scale.to(x.dtype).float() + low.to(x.dtype).float()).to(x.dtype)
 
 
 def head_size(config: Any) -> int:
@@ -256,6 +292,10 @@ def fake_quantise(
     def round_trip(x: torch.Tensor, bits: int, r: torch.Tensor | None, per_channel: bool) -> torch.Tensor:
         if levels is not None and bits == 4 and r is None:
             return codebook_round_trip(x, levels[0] if per_channel else levels[1], -3 if per_channel else -1)
+        if bits not in (4, 6, 8):
+            if r is not None:
+                raise ValueError(f"{bits}-bit parts are not rotated here")
+            return uniform_round_trip(x, bits, -3 if per_channel else -1)
         work = x if r is None else (x.float() @ r).to(x.dtype)
         qf = QuantFormat(bits)
         codes, scale, low = (quantize_keys if per_channel else quantize_values)(work, qf)

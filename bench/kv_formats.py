@@ -70,6 +70,12 @@ SENSITIVE = (9, 11, 13, 16, 21)
 # int4, but int8 in the sensitive layers: the engine's KV_QUANT_BITS=4 KV_INT8_LAYERS=9,11,13,16,21
 MIXED = Format(layer_bits={layer: (8, 8) for layer in SENSITIVE})
 
+# The same bytes spent as 6 bits in ten layers (`python -m bench.kv_heads --alloc 4,6@layer`: each
+# part's 4-bit cost from the sweep, modelled to quarter with each bit, allocated a layer at a time):
+# about half int4+int8@5's error. The engine's KV_QUANT_BITS=4 KV_INT6_LAYERS=9,11,13,14,15,16,20,21,22,23
+SIX_BIT_LAYERS = (9, 11, 13, 14, 15, 16, 20, 21, 22, 23)
+MIXED6 = Format(layer_bits={layer: (6, 6) for layer in SIX_BIT_LAYERS})
+
 FORMATS: dict[str, Format] = {
     "floor": Format(quantise=False, prompt_chunk=128),
     "int8": Format(key_bits=8, value_bits=8),
@@ -99,6 +105,7 @@ FORMATS: dict[str, Format] = {
     # block being written (~0.04 of the bytes at ~1,000-token documents). Shorter windows, no sink.
     "int4+int8@5layers-w16": replace(MIXED, residual=16),
     "int4+int8@5layers-w0": replace(MIXED, residual=0),
+    "int4+int6@10layers-w0": replace(MIXED6, residual=0),
     "int4+int8@5layers-nosink": replace(MIXED, sink_blocks=0),
     "int4+int8@5layers-w0-nosink": replace(MIXED, residual=0, sink_blocks=0),
     "int4-w0-nosink": Format(residual=0, sink_blocks=0),

@@ -29,6 +29,7 @@ import json
 import platform
 import statistics
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, cast
@@ -48,6 +49,7 @@ from bench.kv_fake import (
     fake_quantise,
     head_size,
     logprobs,
+    part_bytes,
 )
 from bench.kv_formats import FORMATS, continuations
 
@@ -60,6 +62,7 @@ Part = tuple[int, int, str]  # (layer, KV head, "keys" | "values")
 class Evaluated:
     format: str
     parts: int  # parts at 8 bits (the profile: its five layers' 20)
+    bits_held: dict[int, int]  # bits -> parts held at them
     bytes_ratio: float
     counted_ratio: float
     kl_mean: float
@@ -138,6 +141,68 @@ def costliest(costs: dict[Part, float], n: int) -> Format:
     )
 
 
+def held_bytes(fmt: Format, parts: list[Part], head_dim: int) -> float:
+    """Cold bytes per token of `parts` held at `fmt`'s bits, all of them summed."""
+    return sum(
+        part_bytes(fmt.bits(layer, head)[kind == "values"], head_dim, keys=kind == "keys")
+        for layer, head, kind in parts
+    )
+
+
+def allocate(
+    costs: dict[Part, float], widths: tuple[int, ...], budget: float, head_dim: int, by: str = "part"
+) -> Format:
+    """Each part's bits from `widths`: the least modelled cost within `budget` cold bytes per
+    token (all parts summed). A part's cost at b bits is modelled as its measured 4-bit cost times
+    4^(4 - b): a uniform quantiser's squared error quarters with each bit, and the sweep found the
+    parts' costs adding. Every part starts at the narrowest width and is widened greedily by
+    modelled cost saved per byte spent; the modelled costs are convex in bytes, so this is the best
+    allocation but for the last byte of the budget. `by`: "part" (each part its own bits),
+    "layer-kind" (a layer's KV heads the same bits, keys' and values' their own) or "layer" (a
+    layer's keys and values of every head the same bits, as the engine's per-layer formats hold
+    them); the parts of one choice have their costs and bytes summed."""
+    if by not in ("part", "layer-kind", "layer"):
+        raise ValueError(f"allocate by part, layer-kind or layer, not {by}")
+    if budget < held_bytes(Format(key_bits=min(widths), value_bits=min(widths)), list(costs), head_dim):
+        raise ValueError(f"{budget} bytes per token cannot hold every part at {min(widths)} bits")
+
+    # a choice: the parts it sets (one, or a layer's heads' keys or values)
+    choices: dict[Part, list[Part]] = {}
+    for layer, head, kind in costs:
+        choice = (layer, head, kind) if by == "part" else (layer, 0, kind if by == "layer-kind" else "both")
+        choices.setdefault(choice, []).append((layer, head, kind))
+
+    def cost(choice: Part, bits: int) -> float:
+        return sum(costs[part] for part in choices[choice]) * 4.0 ** (4 - bits)
+
+    def size(choice: Part, bits: int) -> float:
+        return sum(part_bytes(bits, head_dim, keys=part[2] == "keys") for part in choices[choice])
+
+    bits = dict.fromkeys(choices, min(widths))
+    spent = sum(size(choice, bits[choice]) for choice in choices)
+    while True:
+        best: tuple[float, Part, int, float] | None = None
+        for choice, now in bits.items():
+            for wider in (w for w in widths if w > now):
+                more = size(choice, wider) - size(choice, now)
+                gain = (cost(choice, now) - cost(choice, wider)) / more
+                if spent + more <= budget and (best is None or gain > best[0]):
+                    best = (gain, choice, wider, more)
+        if best is None:
+            break
+        _, choice, wider, more = best
+        bits[choice], spent = wider, spent + more
+    held = {part: bits[choice] for choice, parts in choices.items() for part in parts}
+    heads = {(layer, head) for layer, head, _ in costs}
+    return Format(
+        residual=0,
+        head_bits={
+            (layer, head): (held[(layer, head, "keys")], held[(layer, head, "values")])
+            for layer, head in heads
+        },
+    )
+
+
 def main() -> None:
     parser = common.parser(__doc__)
     parser.add_argument("--docs", type=int, default=12, help="evenly spaced corpus documents evaluated")
@@ -147,6 +212,13 @@ def main() -> None:
     parser.add_argument("--sweep-dtype", choices=("bfloat16", "float32"), default="float32")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--parts", default="20", help="comma-separated counts of parts held at 8 bits")
+    parser.add_argument(
+        "--alloc",
+        default="",
+        help="semicolon-separated sets of widths to allocate within the profile's bytes per part, or "
+        "with @layer-kind or @layer (see allocate), e.g. 4,6,8;4,6@layer",
+    )
+    parser.add_argument("--costs", type=Path, help="an earlier run's JSON: its part costs instead of a sweep")
     parser.add_argument("--out", type=Path, default=Path("bench/results/kv-heads.json"))
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -168,10 +240,16 @@ def main() -> None:
     docs = load_corpus(args.docs)
     fitted = calibration_documents(docs, args.calibration_docs)
     began = time.perf_counter()
-    sweeper = load(args.sweep_dtype)
-    costs = part_costs(sweeper, continuations(sweeper, tokenizer, fitted, args.sweep_tokens))
+    if args.costs:
+        earlier = json.loads(args.costs.read_text())
+        if earlier["calibration_documents"] != [d["document_id"] for d in fitted]:
+            raise SystemExit(f"{args.costs} was swept on other calibration documents")
+        costs = {(c["layer"], c["head"], c["part"]): c["kl"] for c in earlier["part_costs"]}
+    else:
+        sweeper = load(args.sweep_dtype)
+        costs = part_costs(sweeper, continuations(sweeper, tokenizer, fitted, args.sweep_tokens))
+        del sweeper
     sweep_s = time.perf_counter() - began
-    del sweeper
     ranked = sorted(costs, key=costs.__getitem__, reverse=True)
     console.print(f"sweep on {[d['document_id'] for d in fitted]} ({sweep_s:.0f} s); costliest parts:")
     console.print(
@@ -187,6 +265,20 @@ def main() -> None:
     reference = [logprobs(model, ids, n, Format(quantise=False)) for ids, n in seqs]
     candidates = [(PROFILE, 2 * kv_heads * len(FORMATS[PROFILE].layer_bits), FORMATS[PROFILE])]
     candidates += [(f"int4+int8@{n}parts-w0", n, costliest(costs, n)) for n in counts]
+    every = [
+        (layer, head, kind)
+        for layer in range(layers)
+        for head in range(kv_heads)
+        for kind in ("keys", "values")
+    ]
+    budget = held_bytes(FORMATS[PROFILE], every, head_dim)
+    for spec in (spec for spec in args.alloc.split(";") if spec):
+        listed, _, by = spec.partition("@")
+        widths = tuple(sorted(int(b) for b in listed.split(",")))
+        fmt = allocate(costs, widths, budget, head_dim, by=by or "part")
+        held = [fmt.bits(layer, head)[kind == "values"] for layer, head, kind in every]
+        name = f"alloc{{{','.join(map(str, widths))}}}{'@' + by if by else ''}-w0"
+        candidates.append((name, held.count(8), fmt))
     results: list[Evaluated] = []
     for name, n, fmt in candidates:
         start = time.perf_counter()
@@ -199,16 +291,17 @@ def main() -> None:
         counted = statistics.median(
             counted_ratio(fmt, layers, head_dim, len(ids), kv_heads) for ids, _ in seqs
         )
-        results.append(Evaluated(name, n, bytes_ratio(fmt, layers, head_dim, kv_heads=kv_heads), counted,
+        held_at = Counter(b for layer, head, kind in every if (b := fmt.bits(layer, head)[kind == "values"]))
+        results.append(Evaluated(name, n, dict(sorted(held_at.items())), bytes_ratio(fmt, layers, head_dim, kv_heads=kv_heads), counted,
                                  statistics.mean(kls), kls, statistics.mean(top1), time.perf_counter() - start))  # fmt: skip
         console.print(f"{name}: KL {results[-1].kl_mean:.5f} at {counted:.3f} counted")
         write(args, docs, fitted, costs, sweep_s, results, candidates)
     profile = results[0]
-    table = Table("format", "parts at 8 bits", "cold bytes/token vs bf16", "counted", "KL mean", "lower on",
+    table = Table("format", "parts by bits", "cold bytes/token vs bf16", "counted", "KL mean", "lower on",
                   "median ratio", "top-1", title=f"int8 by KV head part, {len(docs)} documents x {args.tf_tokens} tokens")  # fmt: skip
     for r in results:
         ratios = [a / b for a, b in zip(r.kl_per_doc, profile.kl_per_doc, strict=True)]
-        table.add_row(r.format, str(r.parts), f"{r.bytes_ratio:.3f}", f"{r.counted_ratio:.3f}", f"{r.kl_mean:.5f}",
+        table.add_row(r.format, " ".join(f"{n}@{b}" for b, n in r.bits_held.items()), f"{r.bytes_ratio:.3f}", f"{r.counted_ratio:.3f}", f"{r.kl_mean:.5f}",
                       f"{sum(x < 1 for x in ratios)} of {len(ratios)}", f"{statistics.median(ratios):.2f}",
                       f"{r.top1:.4f}")  # fmt: skip
     console.print(table)

@@ -50,7 +50,7 @@ from rich.table import Table
 
 from bench import common, real_data
 from bench.kv_forced import Forcing, Reference, continuation_forcing, reference_pass, teacher_forced_pass
-from bench.kv_formats import SENSITIVE
+from bench.kv_formats import SENSITIVE, SIX_BIT_LAYERS
 from engine import Engine, EngineConfig, SamplingParams
 from engine.kv_cache import ColdStore, KVShape
 from engine.loader import LoadedModel, load_model
@@ -65,6 +65,8 @@ CORPUS = Path(__file__).with_name("data") / "kv-corpus.jsonl"
 # int4, but int8 in the layers where 4-bit error costs the default model most (ranked one layer at a
 # time by bench.kv_formats: its SENSITIVE); a model with fewer layers refuses it.
 MIXED: dict[str, Any] = {"kv_compression": True, "kv_quant_bits": 4, "kv_int8_layers": SENSITIVE}
+# The same bytes as 6 bits in ten layers (bench.kv_formats' SIX_BIT_LAYERS, allocated by bench.kv_heads).
+MIXED6: dict[str, Any] = {"kv_compression": True, "kv_quant_bits": 4, "kv_int6_layers": SIX_BIT_LAYERS}
 
 PROFILES: dict[str, dict[str, Any]] = {
     "off": {},
@@ -89,6 +91,7 @@ PROFILES: dict[str, dict[str, Any]] = {
     # Only the block being written at full precision (no window), with and without the sink block.
     "int4+int8@5-w0": MIXED | {"kv_residual_tokens": 0},
     "int4+int8@5-w0-nosink": MIXED | {"kv_residual_tokens": 0, "kv_sink_tokens": 0},
+    "int4+int6@10-w0": MIXED6 | {"kv_residual_tokens": 0},
     "int4+prune-0.7": {"kv_compression": True, "kv_quant_bits": 4, "kv_keep_ratio": 0.7},
     "int8+prune-0.4": {"kv_compression": True, "kv_quant_bits": 8, "kv_keep_ratio": 0.4},
     "aggressive-int4+prune-0.35-w16": {

@@ -33,6 +33,7 @@
 #include <string.h>
 
 #include "kv_bf16.h"
+#include "kv_codes.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -54,7 +55,7 @@ typedef struct {
 typedef struct {
     const void *key_codes, *key_scale, *key_offset; /* [rows][block][width], [rows][dim] x 2 */
     const void *value_codes, *value_scale, *value_offset; /* [rows][block][width], [rows][block] x 2 */
-    int64_t bits;                /* 8 (int8, centred) or 4 (two to a byte, centre 8) */
+    int64_t bits;                /* 8 (int8, centred), 6 (kv_codes.h, centre 32) or 4 (two to a byte, centre 8) */
     int64_t block, num_blocks;   /* tokens a block, blocks in the store */
     const int64_t *blocks;       /* sequence i's blocks (in order): blocks[starts[i] .. starts[i + 1]) */
     const int64_t *starts;
@@ -67,6 +68,12 @@ static inline void codes_f32(const cold_layer *c, const void *codes, int64_t r, 
 #pragma omp simd
         for (int64_t d = 0; d < dim; d++)
             out[d] = (float)p[d];
+        return;
+    }
+    if (c->bits == 6) {
+        const uint8_t *p = (const uint8_t *)codes + (r * c->block + t) * (dim * 3 / 4);
+        for (int64_t d = 0; d < dim; d++)
+            out[d] = (float)(kv_code6(p, dim, d) - 32);
         return;
     }
     int64_t half = dim / 2;
@@ -477,7 +484,8 @@ int kv_decode_attention(const void *query, const void *keys, const void *values,
                         const int64_t *starts, int64_t seqs, int64_t kv_heads, int64_t groups, int64_t dim,
                         int64_t num_slots, float scale, int fp32, int tiles, const cold_layer *cold, void *out) {
     int64_t longest = 0;
-    if (cold != NULL && ((cold->bits != 8 && cold->bits != 4) || (cold->bits == 4 && dim % 2)))
+    if (cold != NULL && ((cold->bits != 8 && cold->bits != 6 && cold->bits != 4) || (cold->bits == 4 && dim % 2) ||
+                         (cold->bits == 6 && dim % 4)))
         return -1;
     for (int64_t i = 0; i < seqs; i++) {
         int64_t n = starts[i + 1] - starts[i];
@@ -577,7 +585,7 @@ int kv_prefill_attention(const void *query, int64_t head_stride, int64_t token_s
     int64_t cold_len = cold != NULL ? (cold->starts[1] - cold->starts[0]) * cold->block : 0, kv_len = cold_len + hot;
     if (dim % 64 || groups > 16 || q_len < 1 || q_len > kv_len || cold_len < 0 || (tiles && !ATT_AMX))
         return -1;
-    if (cold != NULL && (cold->bits != 8 && cold->bits != 4))
+    if (cold != NULL && (cold->bits != 8 && cold->bits != 6 && cold->bits != 4))
         return -1;
     for (int64_t j = 0; j < hot; j++)
         if (slots[j] < 0 || slots[j] >= num_slots)

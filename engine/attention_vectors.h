@@ -149,7 +149,28 @@ static void weigh_tile_bf16(const attention *a, const uint16_t *const *rows, int
  * or (`values`) its values, into out[j * dim]: centred code * scale + offset by one fused
  * multiply-add in float32, rounded once, as kv_native.c's reader dequantises them (bf16 scales and
  * offsets: keys' per channel of the row, values' per token; 4-bit codes two to a byte, channel d
- * in the low nibble and d + dim / 2 in the high one, centre 8). dim a multiple of 32. */
+ * in the low nibble and d + dim / 2 in the high one, centre 8; 6-bit codes as kv_codes.h lays them
+ * out, centre 32). dim a multiple of 32. */
+/* Channels d .. d + 16 of one token's 6-bit codes (kv_codes.h), centred: one load of nibbles and
+ * one of top bits where the 16 lie in one quarter of the channels (dim a multiple of 64). */
+static inline __m512 six_bits16(const void *all, int64_t token, int64_t dim, int64_t d) {
+    const uint8_t *p = (const uint8_t *)all + token * (dim * 3 / 4);
+    int64_t half = dim / 2, quarter = dim / 4;
+    if (quarter % 16) {
+        int32_t codes[16];
+        for (int64_t i = 0; i < 16; i++)
+            codes[i] = kv_code6(p, dim, d + i) - 32;
+        return _mm512_cvtepi32_ps(_mm512_loadu_si512(codes));
+    }
+    __m512i byte = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + (d < half ? d : d - half))));
+    __m512i low = d < half ? _mm512_and_si512(byte, _mm512_set1_epi32(15)) : _mm512_srli_epi32(byte, 4);
+    __m512i pairs = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + half + d % quarter)));
+    __m512i top = _mm512_and_si512(_mm512_srl_epi32(pairs, _mm_cvtsi32_si128((int)(2 * (d / quarter)))),
+                                   _mm512_set1_epi32(3));
+    __m512i code = _mm512_or_si512(low, _mm512_slli_epi32(top, 4));
+    return _mm512_cvtepi32_ps(_mm512_sub_epi32(code, _mm512_set1_epi32(32)));
+}
+
 static void cold_rows_bf16(const cold_layer *c, int64_t r, int64_t t, int64_t k, int64_t dim, int values,
                            uint16_t *out) {
     const uint16_t *scales = (const uint16_t *)(values ? c->value_scale : c->key_scale);
@@ -166,6 +187,8 @@ static void cold_rows_bf16(const cold_layer *c, int64_t r, int64_t t, int64_t k,
             if (c->bits == 8) {
                 const int8_t *p = (const int8_t *)all + (r * c->block + t + j) * dim + d;
                 code = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+            } else if (c->bits == 6) {
+                code = six_bits16(all, r * c->block + t + j, dim, d);
             } else if (d < dim / 2) { /* low nibbles: the first half of the channels */
                 const uint8_t *p = (const uint8_t *)all + (r * c->block + t + j) * (dim / 2) + d;
                 __m512i byte = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));

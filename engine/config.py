@@ -30,11 +30,16 @@ class EngineOptions(BaseModel):
         default=150.0, ge=0, le=10_000, description="How long the first waiting request may wait for others."
     )
     kv_compression: bool = False  # the compression profile below applies
-    kv_quant_bits: int = Field(default=8, description="4, 8, or 16 (no quantisation).")
+    kv_quant_bits: int = Field(default=8, description="4, 6, 8, or 16 (no quantisation).")
     kv_int8_layers: Annotated[tuple[int, ...], NoDecode] = Field(
         default=(),
         description="With 4-bit KV: layers (from 0; comma-separated) whose blocks are kept at 8 bits, "
         "the ones where 4-bit error costs the model most.",
+    )
+    kv_int6_layers: Annotated[tuple[int, ...], NoDecode] = Field(
+        default=(),
+        description="With 4-bit KV: layers (from 0; comma-separated, none of KV_INT8_LAYERS) whose "
+        "blocks are kept at 6 bits.",
     )
     kv_residual_tokens: int = Field(
         default=32, ge=0, le=4096, description="Recent tokens kept full precision."
@@ -119,11 +124,11 @@ class EngineOptions(BaseModel):
     @field_validator("kv_quant_bits")
     @classmethod
     def _quant_bits(cls, value: int) -> int:
-        if value not in (4, 8, 16):
-            raise ValueError("must be 4, 8 or 16")
+        if value not in (4, 6, 8, 16):
+            raise ValueError("must be 4, 6, 8 or 16")
         return value
 
-    @field_validator("kv_int8_layers", mode="before")
+    @field_validator("kv_int8_layers", "kv_int6_layers", mode="before")
     @classmethod
     def _layer_list(cls, value: object) -> object:
         if isinstance(value, str):
@@ -133,7 +138,7 @@ class EngineOptions(BaseModel):
             return tuple(int(part) for part in parts)
         return value
 
-    @field_validator("kv_int8_layers")
+    @field_validator("kv_int8_layers", "kv_int6_layers")
     @classmethod
     def _layers_named_once(cls, value: tuple[int, ...]) -> tuple[int, ...]:
         if any(layer < 0 for layer in value) or len(set(value)) != len(value):

@@ -134,7 +134,11 @@ class Engine:
             "KV pool: %d full-precision + %d int%d blocks x %d tokens%s, %.1f MiB (%d bytes/token full)%s; "
             "decode attention: %s; prompt attention: %s",
             num_blocks, num_cold, config.kv_quant_bits, config.block_size,
-            f" (int8 in layers {list(config.kv_int8_layers)})" if config.kv_int8_layers else "",
+            "".join(
+                f" ({name} in layers {list(layers)})"
+                for name, layers in (("int8", config.kv_int8_layers), ("int6", config.kv_int6_layers))
+                if layers
+            ),
             self.cache.total_bytes / 2**20,
             shape.bytes_per_token, f", read by {self.cache.cold.reader}" if self.cache.cold else "",
             self.cache.decode_reader, self.cache.prompt_reader,

@@ -1,8 +1,10 @@
 /* Gather-and-dequantise of quantised KV rows on the CPU, in one pass (see engine/kv_native.py).
  *
  * A row is one (block, KV head) of the quantised store: `block` tokens of `dim` channels.
- * Codes are 8-bit (int8, already centred) or 4-bit (two to a byte: the low nibble holds
- * channel d, the high nibble channel d + dim/2; stored uncentred, 0..15, centre 8). Each
+ * Codes are 8-bit (int8, already centred), 4-bit (two to a byte: the low nibble holds
+ * channel d, the high nibble channel d + dim/2; stored uncentred, 0..15, centre 8) or 6-bit
+ * (their low nibbles as 4-bit codes, then their top two bits four to a byte: kv_codes.h; centre
+ * 32). Each
  * element is x = centred(code) * scale + offset, with (scale, offset) per channel of the row
  * (keys) or per token of the row (values), in the cache's dtype: bfloat16 or float32.
  * Arithmetic is float32 with one fused multiply-add; bfloat16 results are rounded to nearest
@@ -20,6 +22,7 @@
 #include <string.h>
 
 #include "kv_bf16.h"
+#include "kv_codes.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -38,7 +41,7 @@ typedef struct {
     const void *codes;  /* [rows][block][width] */
     const void *scale;  /* [rows][dim] per channel, or [rows][block] per token */
     const void *offset; /* same shape as scale */
-    int bits;           /* 8 or 4 */
+    int bits;           /* 8, 6 or 4 */
     int per_token;      /* 1: (scale, offset) per token of the row, 0: per channel */
     int fp32;           /* 1: scale, offset and out are float32, 0: bfloat16 */
     int64_t block, dim;
@@ -58,13 +61,15 @@ static inline void store1(void *p, int64_t i, float x, int fp32) {
 static inline int code_at(const kv_layer *l, const uint8_t *row, int64_t t, int64_t d) {
     if (l->bits == 8)
         return ((const int8_t *)row)[t * l->dim + d];
+    if (l->bits == 6)
+        return kv_code6(row + t * (l->dim * 3 / 4), l->dim, d) - 32;
     int64_t half = l->dim / 2;
     uint8_t byte = row[t * half + (d < half ? d : d - half)];
     return (d < half ? (byte & 0x0F) : (byte >> 4)) - 8;
 }
 
 static void row_generic(const kv_layer *l, int64_t r, void *out, int64_t o) {
-    int64_t width = l->bits == 8 ? l->dim : l->dim / 2;
+    int64_t width = l->dim * l->bits / 8;
     const uint8_t *row = (const uint8_t *)l->codes + r * l->block * width;
     for (int64_t t = 0; t < l->block; t++)
         for (int64_t d = 0; d < l->dim; d++) {
@@ -102,6 +107,11 @@ static inline vfloat v_nibble(vint c, int high) { /* the low or high nibble of e
     vint n = high ? _mm512_srli_epi32(c, 4) : _mm512_and_si512(c, _mm512_set1_epi32(0x0F));
     return _mm512_cvtepi32_ps(_mm512_sub_epi32(n, _mm512_set1_epi32(8)));
 }
+static inline vfloat v_six(vint c, int high, vint top, int shift) { /* a nibble, two top bits; centred */
+    vint n = high ? _mm512_srli_epi32(c, 4) : _mm512_and_si512(c, _mm512_set1_epi32(0x0F));
+    vint t = _mm512_and_si512(_mm512_srl_epi32(top, _mm_cvtsi32_si128(shift)), _mm512_set1_epi32(3));
+    return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_or_si512(n, _mm512_slli_epi32(t, 4)), _mm512_set1_epi32(32)));
+}
 #else
 #define LANES 8
 typedef __m256 vfloat;
@@ -135,6 +145,11 @@ static inline vfloat v_nibble(vint c, int high) {
     vint n = high ? _mm256_srli_epi32(c, 4) : _mm256_and_si256(c, _mm256_set1_epi32(0x0F));
     return _mm256_cvtepi32_ps(_mm256_sub_epi32(n, _mm256_set1_epi32(8)));
 }
+static inline vfloat v_six(vint c, int high, vint top, int shift) {
+    vint n = high ? _mm256_srli_epi32(c, 4) : _mm256_and_si256(c, _mm256_set1_epi32(0x0F));
+    vint t = _mm256_and_si256(_mm256_srl_epi32(top, _mm_cvtsi32_si128(shift)), _mm256_set1_epi32(3));
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(n, _mm256_slli_epi32(t, 4)), _mm256_set1_epi32(32)));
+}
 #endif
 
 static inline vfloat load_v(const void *p, int64_t i, int fp32) {
@@ -159,7 +174,8 @@ static inline void params_v(const kv_layer *l, int64_t r, int64_t t, int64_t d, 
     }
 }
 
-/* row_generic, LANES channels at a time: dim a multiple of LANES (8-bit) or 2 * LANES (4-bit). */
+/* row_generic, LANES channels at a time: dim a multiple of LANES (8-bit), 2 * LANES (4-bit) or
+ * 4 * LANES (6-bit: then a step's channels lie in one quarter, whose top bits share a shift). */
 static void row_simd(const kv_layer *l, int64_t r, void *out, int64_t o) {
     vfloat s, b, s2, b2;
     if (l->bits == 8) {
@@ -172,6 +188,21 @@ static void row_simd(const kv_layer *l, int64_t r, void *out, int64_t o) {
         return;
     }
     int64_t half = l->dim / 2;
+    if (l->bits == 6) {
+        int64_t width = l->dim * 3 / 4, quarter = l->dim / 4;
+        const uint8_t *row = (const uint8_t *)l->codes + r * l->block * width;
+        for (int64_t t = 0; t < l->block; t++)
+            for (int64_t d = 0; d < half; d += LANES) {
+                params_v(l, r, t, d, &s, &b);
+                params_v(l, r, t, d + half, &s2, &b2);
+                vint c = v_widen_uint8(row + t * width + d);
+                vint top = v_widen_uint8(row + t * width + half + d % quarter);
+                int shift = (int)(2 * (d / quarter));
+                store_v(out, o + t * l->dim + d, v_fmadd(v_six(c, 0, top, shift), s, b), l->fp32);
+                store_v(out, o + t * l->dim + d + half, v_fmadd(v_six(c, 1, top, shift + 4), s2, b2), l->fp32);
+            }
+        return;
+    }
     const uint8_t *row = (const uint8_t *)l->codes + r * l->block * half;
     for (int64_t t = 0; t < l->block; t++)
         for (int64_t d = 0; d < half; d += LANES) {
@@ -192,14 +223,14 @@ const char *kv_native_isa(void) { return KV_AVX512 ? "avx512-bf16" : KV_AVX2 ? "
 int kv_dequantize_rows(const void *codes, const void *scale, const void *offset, int bits, int per_token,
                        int fp32, int64_t block, int64_t dim, int64_t num_rows, const int64_t *rows, int64_t n,
                        void *out) {
-    if ((bits != 8 && bits != 4) || (bits == 4 && dim % 2))
+    if ((bits != 8 && bits != 6 && bits != 4) || (bits == 4 && dim % 2) || (bits == 6 && dim % 4))
         return -1;
     for (int64_t i = 0; i < n; i++)
         if (rows[i] < 0 || rows[i] >= num_rows)
             return -1;
     kv_layer l = {codes, scale, offset, bits, per_token, fp32, block, dim};
 #if KV_AVX512 || KV_AVX2
-    int fast = dim % (bits == 8 ? LANES : 2 * LANES) == 0;
+    int fast = dim % (bits == 8 ? LANES : bits == 4 ? 2 * LANES : 4 * LANES) == 0;
 #endif
     for (int64_t i = 0; i < n; i++) {
 #if KV_AVX512 || KV_AVX2

@@ -113,12 +113,12 @@ class NativeKernel:
     ) -> torch.Tensor:
         """Rows (n,) of a layer's store, dequantised: (n, block, dim) in the scale's dtype.
 
-        codes (R, block, width): int8 centred 8-bit codes or packed 4-bit ones; scale and offset
+        codes (R, block, width): int8 centred 8-bit codes or packed 6- or 4-bit ones; scale and offset
         (R, dim) per channel, or (R, block) per token; value = centred code * scale + offset."""
         if codes.dtype != (torch.int8 if bits == 8 else torch.uint8):
             raise NativeKernelError(f"{bits}-bit codes stored as {codes.dtype}")
         num_rows, block, width = codes.shape
-        dim = width * (8 // bits)
+        dim = width * 8 // bits
         expected = (num_rows, block if per_token else dim)
         parts = (codes, scale, offset, rows)
         if any(t.device.type != "cpu" or not t.is_contiguous() for t in parts):
@@ -287,7 +287,7 @@ def _cold_layer(
     stored, bits, blocks, starts = cold
     num_blocks, kv_heads, block, width = stored.key_codes.shape
     dim = query.shape[2]
-    if bits not in (4, 8) or width != (dim if bits == 8 else dim // 2) or dim % (8 // bits):
+    if bits not in (4, 6, 8) or width * 8 != dim * bits or dim % {4: 2, 6: 4, 8: 1}[bits]:
         raise NativeKernelError(f"{bits}-bit codes of width {width} for {dim} channels")
     code = torch.int8 if bits == 8 else torch.uint8
     if stored.key_codes.dtype != code or stored.value_codes.dtype != code:

@@ -247,7 +247,7 @@ def build_cache(config: EngineConfig, shape: KVShape, device: torch.device, max_
     if not config.quantising:
         blocks = cap // hot_bytes if usable is None else min(cap // hot_bytes, usable)
         return KVCache(shape, max(1, blocks), size, device, kernel=attends, prompts_in_place=in_place)
-    fmt = layer_formats(shape.num_layers, config.kv_quant_bits, config.kv_int8_layers)
+    fmt = layer_formats(shape.num_layers, config.kv_quant_bits, config.kv_int8_layers, config.kv_int6_layers)
     per_seq = -(-config.kv_sink_tokens // size) + -(-config.kv_residual_tokens // size) + 2
     step = max(config.max_tokens_per_step, config.saturated_budget)  # a step's new tokens
     hot_needed = config.effective_batch_size * per_seq + -(-step // size)

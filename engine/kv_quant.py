@@ -2,7 +2,10 @@
 
 Keys are quantised per channel over the tokens of one block (key outliers live in channels);
 values per token over their channels. 8-bit codes take a byte each; 4-bit codes are packed two to
-a byte (the low nibble holds the first half of the channels, the high nibble the second half).
+a byte (the low nibble holds the first half of the channels, the high nibble the second half);
+6-bit codes take three quarters of a byte: their low four bits packed as 4-bit codes are, then
+their top two bits four to a byte (byte j: channels j, j + D/4, j + D/2, j + 3D/4 from its low
+bits up), so that a reader takes 16 channels of either part with one load.
 Scales and minimums are kept in the cache's dtype (a store keeps min + zero * scale, the offset of
 centred codes). Everything here is plain torch on whatever device the cache lives on; no host
 round-trip. On CPU the store is read by `kv_native` instead, and `read_rows` is its reference.
@@ -20,11 +23,11 @@ Quantized = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # codes, scale, min
 
 @dataclass(frozen=True)
 class QuantFormat:
-    bits: int  # 8 or 4
+    bits: int  # 8, 6 or 4
 
     def __post_init__(self) -> None:
-        if self.bits not in (4, 8):
-            raise ValueError(f"KV quantisation supports 8 or 4 bits, got {self.bits}")
+        if self.bits not in (4, 6, 8):
+            raise ValueError(f"KV quantisation supports 8, 6 or 4 bits, got {self.bits}")
 
     @property
     def levels(self) -> int:
@@ -37,14 +40,16 @@ class QuantFormat:
 
     @property
     def storage_dtype(self) -> torch.dtype:
-        """8-bit codes are stored centred, as int8, ready to enter a matmul; 4-bit ones packed."""
+        """8-bit codes are stored centred, as int8, ready to enter a matmul; 6- and 4-bit ones packed."""
         return torch.int8 if self.bits == 8 else torch.uint8
 
     def code_dim(self, head_dim: int) -> int:
         """Bytes of codes per head and token."""
         if self.bits == 4 and head_dim % 2:
             raise ValueError(f"4-bit KV needs an even head dimension, got {head_dim}")
-        return head_dim if self.bits == 8 else head_dim // 2
+        if self.bits == 6 and head_dim % 4:
+            raise ValueError(f"6-bit KV needs a head dimension divisible by 4, got {head_dim}")
+        return head_dim * self.bits // 8
 
     def bytes_per_block(self, head_dim: int, block_size: int, scale_bytes: int) -> int:
         """Exact bytes of one block of one KV head in one layer, keys and values: the codes, each
@@ -53,26 +58,43 @@ class QuantFormat:
         return block_size * per_token + 2 * head_dim * scale_bytes
 
 
-def layer_formats(num_layers: int, bits: int, int8_layers: tuple[int, ...] = ()) -> tuple[QuantFormat, ...]:
-    """Each layer's format: `bits`, but 8 in `int8_layers`."""
-    if beyond := [layer for layer in int8_layers if layer >= num_layers]:
-        raise ValueError(
-            f"KV_INT8_LAYERS names layers {beyond}; the model has {num_layers} (0-{num_layers - 1})"
-        )
-    return tuple(QuantFormat(8 if layer in int8_layers else bits) for layer in range(num_layers))
+def layer_formats(
+    num_layers: int, bits: int, int8_layers: tuple[int, ...] = (), int6_layers: tuple[int, ...] = ()
+) -> tuple[QuantFormat, ...]:
+    """Each layer's format: `bits`, but 8 in `int8_layers` and 6 in `int6_layers`."""
+    for name, named in (("KV_INT8_LAYERS", int8_layers), ("KV_INT6_LAYERS", int6_layers)):
+        if beyond := [layer for layer in named if layer >= num_layers]:
+            raise ValueError(f"{name} names layers {beyond}; the model has {num_layers} (0-{num_layers - 1})")
+    if both := sorted(set(int8_layers) & set(int6_layers)):
+        raise ValueError(f"layers {both} are named both in KV_INT8_LAYERS and in KV_INT6_LAYERS")
+    return tuple(
+        QuantFormat(8 if layer in int8_layers else 6 if layer in int6_layers else bits)
+        for layer in range(num_layers)
+    )
 
 
 def _pack(codes: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     if fmt.bits == 8:
         return codes
     half = codes.shape[-1] // 2
-    return codes[..., :half] | (codes[..., half:] << 4)
+    low = codes & 0x0F if fmt.bits == 6 else codes
+    nibbles = low[..., :half] | (low[..., half:] << 4)
+    if fmt.bits == 4:
+        return nibbles
+    top = (codes >> 4).reshape(*codes.shape[:-1], 4, -1)  # (..., 4, D/4): quarter q of the channels
+    pairs = top[..., 0, :] | (top[..., 1, :] << 2) | (top[..., 2, :] << 4) | (top[..., 3, :] << 6)
+    return torch.cat((nibbles, pairs), dim=-1)
 
 
 def unpack(packed: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     if fmt.bits == 8:
         return packed
-    return torch.cat((packed & 0x0F, packed >> 4), dim=-1)
+    if fmt.bits == 4:
+        return torch.cat((packed & 0x0F, packed >> 4), dim=-1)
+    quarter = packed.shape[-1] // 3  # D/4: the nibbles take 2 D/4 bytes, the top bits D/4
+    nibbles, pairs = packed[..., : 2 * quarter], packed[..., 2 * quarter :]
+    top = torch.cat([(pairs >> shift) & 0x03 for shift in (0, 2, 4, 6)], dim=-1)
+    return torch.cat((nibbles & 0x0F, nibbles >> 4), dim=-1) | (top << 4)
 
 
 def centred(packed: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:

@@ -3,6 +3,7 @@ are the store's, and a format that quantises nothing changes nothing."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 import pytest
@@ -12,13 +13,16 @@ from bench.kv_fake import (
     Format,
     bytes_ratio,
     clipped_round_trip,
+    code_bytes,
     codebook_round_trip,
     counted_ratio,
     fake_quantise,
     logprobs,
     outliers,
+    part_bytes,
     rope_turn,
     rotary_angles,
+    uniform_round_trip,
 )
 from bench.kv_formats import CLIPS
 from engine.kv_cache import ColdStore, KVShape
@@ -27,7 +31,7 @@ from engine.tiny import build_tiny
 
 
 @pytest.mark.parametrize("rotate", [False, True])
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 6, 4])
 def test_fake_quantisation_gives_back_what_the_cold_store_reads(bits: int, rotate: bool) -> None:
     torch.manual_seed(0)
     size, heads, dim = 16, 2, 32
@@ -260,3 +264,34 @@ def test_a_head_at_8_bits_costs_half_of_its_layer_at_8_bits() -> None:
     head = bytes_ratio(Format(head_bits={(3, 1): (8, 8)}), 24, 64, kv_heads=2)
     assert head - plain == pytest.approx((layer - plain) / 2)
     assert plain == pytest.approx(bytes_ratio(Format(), 24, 64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [8, 6, 4])
+def test_the_searchs_own_widths_round_as_the_engines_quantiser_at_its_widths(
+    bits: int, dtype: torch.dtype
+) -> None:
+    torch.manual_seed(1)
+    keys = (torch.randn(16, 2, 32) * torch.linspace(0.1, 4.0, 32)).to(dtype)
+    values = torch.randn(16, 2, 32).to(dtype)
+    engine_keys, engine_values = fake_quantise(keys, values, bits, bits, (None, None))
+    assert torch.equal(uniform_round_trip(keys, bits, -3), engine_keys)
+    assert torch.equal(uniform_round_trip(values, bits, -1), engine_values)
+
+
+def test_each_bit_about_quarters_the_squared_error_and_widths_past_2_to_8_are_refused() -> None:
+    x = torch.randn(16, 2, 64, generator=torch.Generator().manual_seed(2))
+    errors = [float((uniform_round_trip(x, bits, -3) - x).pow(2).mean()) for bits in range(2, 9)]
+    assert all(0.15 < finer / coarser < 0.4 for coarser, finer in itertools.pairwise(errors))
+    for bits in (1, 9):
+        with pytest.raises(ValueError, match="2 to 8 bits"):
+            uniform_round_trip(x, bits, -1)
+
+
+def test_a_parts_bytes_are_its_codes_packed_tight_and_its_scales() -> None:
+    assert code_bytes(6, 64) == 48 and code_bytes(3, 64) == 24 and code_bytes(4, 64) == 32
+    assert part_bytes(6, 64, keys=True) == 48 + 16  # a scale and an offset per channel over 16 tokens
+    assert part_bytes(6, 64, keys=False) == 48 + 4  # a scale and an offset per token
+    assert part_bytes(None, 64, keys=True) == 128
+    uniform = Format(key_bits=6, value_bits=6)
+    assert bytes_ratio(uniform, 24, 64) == pytest.approx((64 + 52) / 256)

@@ -8,7 +8,7 @@ import torch
 
 from bench.kv_fake import BLOCK, Format, bytes_ratio
 from bench.kv_formats import MIXED
-from bench.kv_heads import costliest, part_costs
+from bench.kv_heads import allocate, costliest, held_bytes, part_costs
 from engine.tiny import build_tiny
 
 
@@ -39,3 +39,38 @@ def test_the_costliest_parts_take_8_bits_and_the_bytes_of_as_many_parts() -> Non
     )
     with pytest.raises(ValueError, match="KV head"):
         bytes_ratio(Format(head_bits={(0, 2): (8, 8)}), layers, 64, kv_heads=heads)
+
+
+def _costs(layers: int = 24, heads: int = 2) -> dict[tuple[int, int, str], float]:
+    generator = torch.Generator().manual_seed(3)
+    draws = torch.rand(layers * heads * 2, generator=generator).pow(4).tolist()  # a few parts cost most
+    parts = [
+        (layer, head, kind) for layer in range(layers) for head in range(heads) for kind in ("keys", "values")
+    ]
+    return dict(zip(parts, draws, strict=True))
+
+
+def _modelled(costs: dict[tuple[int, int, str], float], fmt: Format) -> float:
+    return sum(
+        cost * 4.0 ** (4 - fmt.bits(layer, head)[kind == "values"])
+        for (layer, head, kind), cost in costs.items()
+    )
+
+
+def test_allocating_4_and_8_bits_picks_the_costliest_parts() -> None:
+    costs = _costs()
+    budget = held_bytes(costliest(costs, 20), list(costs), 64)
+    allocated, chosen = allocate(costs, (4, 8), budget, 64), costliest(costs, 20)
+    assert all(allocated.bits(layer, head) == chosen.bits(layer, head) for layer, head, _ in costs)
+
+
+def test_more_widths_never_cost_more_in_the_model_and_the_budget_holds() -> None:
+    costs = _costs()
+    budget = held_bytes(costliest(costs, 20), list(costs), 64)
+    two = allocate(costs, (4, 8), budget, 64)
+    five = allocate(costs, (3, 4, 5, 6, 8), budget, 64)
+    assert held_bytes(five, list(costs), 64) <= budget
+    assert _modelled(costs, five) < _modelled(costs, two)
+    assert {b for bits in five.head_bits.values() for b in bits} > {4, 8}  # the other widths are used
+    with pytest.raises(ValueError, match="cannot hold"):
+        allocate(costs, (4, 8), held_bytes(Format(), list(costs), 64) - 1, 64)

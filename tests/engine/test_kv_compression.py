@@ -73,7 +73,7 @@ def test_the_rotation_spreads_an_outlier_channel_so_4_bit_values_lose_less() -> 
     assert error(values, h) < 0.5 * error(values, torch.eye(64))
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 6, 4])
 def test_round_trip_error_is_within_half_a_step(bits: int) -> None:
     fmt = QuantFormat(bits)
     keys = outlier_keys(5, 16, 2, 64)  # (blocks, block_size, KVH, D)
@@ -103,7 +103,7 @@ def test_bytes_per_token_are_exact_for_the_default_models_shape() -> None:
         assert store.total_bytes == 3 * per_block
 
 
-@pytest.mark.parametrize(("bits", "tolerance"), [(8, 0.02), (4, 0.15)])
+@pytest.mark.parametrize(("bits", "tolerance"), [(8, 0.02), (6, 0.05), (4, 0.15)])
 def test_attention_over_quantised_blocks_stays_close(bits: int, tolerance: float) -> None:
     shape = KVShape(num_layers=1, num_kv_heads=2, head_dim=16, dtype=torch.float32)
     size, hot_blocks = 8, 8
@@ -152,6 +152,25 @@ def test_centred_codes_are_the_codes_minus_the_middle_one() -> None:
         assert torch.equal(centred(packed, fmt).long(), codes.long() - fmt.zero)
 
 
+def test_six_bit_codes_lie_where_the_layout_says_and_read_back_centred_on_32() -> None:
+    """6-bit codes of D channels take 3 D / 4 bytes: byte d < D / 2 holds the low nibbles of
+    channels d (low) and d + D / 2 (high), byte D / 2 + j the top two bits of channels j, j + D / 4,
+    j + D / 2 and j + 3 D / 4, from its low bits up; unpacked here by hand, byte by byte."""
+    fmt, dim = QuantFormat(6), 16
+    codes = torch.randint(0, 64, (3, dim), generator=torch.Generator().manual_seed(6), dtype=torch.uint8)
+    codes[:, 0], codes[:, 1] = 0, 63  # each row's range: 63 steps of 1 from 0
+    values = codes.float()[:, None, :]  # one token of each of 3 rows, per-token scale 1, min 0
+    packed, scale, low = quantize_values(values, fmt)
+    assert torch.equal(scale.float(), torch.ones(3, 1)) and not low.any() and packed.shape == (3, 1, 12)
+    for row in range(3):
+        stored = packed[row, 0].tolist()
+        for d in range(dim):
+            nibble = stored[d % 8] >> (4 * (d >= 8)) & 15
+            top = stored[8 + d % 4] >> (2 * (d // 4)) & 3
+            assert nibble | top << 4 == codes[row, d]
+    assert torch.equal(centred(packed, fmt).long(), codes[:, None, :].long() - 32)
+
+
 def native_kernel() -> NativeKernel:
     """The C kernel; a machine with a C compiler that cannot build it is a failure, not a skip."""
     if kv_native._compiler() is None:
@@ -163,7 +182,7 @@ def native_kernel() -> NativeKernel:
 
 @pytest.mark.parametrize("rotate", [False, True])
 @pytest.mark.parametrize("reader", ["torch", "native"])
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 6, 4])
 def test_reading_stored_blocks_gives_what_dequantising_the_codes_gives(
     bits: int, reader: str, rotate: bool
 ) -> None:
@@ -192,14 +211,15 @@ def test_reading_stored_blocks_gives_what_dequantising_the_codes_gives(
 @pytest.mark.parametrize("rotate", [False, True])
 @pytest.mark.parametrize("reader", ["torch", "native"])
 def test_a_store_of_mixed_formats_reads_each_layer_in_its_own(reader: str, rotate: bool) -> None:
-    """Layers 0 and 2 at 4 bits, layer 1 at 8 (KV_INT8_LAYERS): each layer reads back what
-    dequantising its own format's codes gives, and the bytes are each layer's format's."""
+    """Layers 0 and 2 at 4 bits, layer 1 at 8 (KV_INT8_LAYERS), layer 3 at 6 (KV_INT6_LAYERS): each
+    layer reads back what dequantising its own format's codes gives, and the bytes are each layer's
+    format's."""
     kernel = native_kernel() if reader == "native" else None
-    shape, size = KVShape(3, 2, 32, torch.float32), 16
-    formats = (QuantFormat(4), QuantFormat(8), QuantFormat(4))
+    shape, size = KVShape(4, 2, 32, torch.float32), 16
+    formats = (QuantFormat(4), QuantFormat(8), QuantFormat(4), QuantFormat(6))
     store = ColdStore(shape, formats, 4, size, torch.device("cpu"), kernel, rotate=rotate)
     h = hadamard(32) if rotate else torch.eye(32)
-    blocks = outlier_keys(2, 3, 4, size, 2, 32)  # keys/values, (L, n, bs, KVH, D)
+    blocks = outlier_keys(2, 4, 4, size, 2, 32)  # keys/values, (L, n, bs, KVH, D)
     store.store(blocks[0], blocks[1], torch.tensor([2, 0, 3, 1]))  # into blocks out of order
     rows = torch.tensor([0, 7, 3, 4])  # (block, KV head) rows
     for layer, fmt in enumerate(formats):
@@ -227,10 +247,17 @@ def test_int8_layers_are_named_from_zero_once_each_and_within_the_model() -> Non
     assert [f.bits for f in layer_formats(3, 4, (1,))] == [4, 8, 4]
     with pytest.raises(ValueError, match="names layers \\[3\\]; the model has 3"):
         layer_formats(3, 4, (0, 3))
+    config = EngineConfig(model_path=Path("unused"), kv_int6_layers="2,0")  # type: ignore[arg-type]
+    assert config.kv_int6_layers == (0, 2)
+    assert [f.bits for f in layer_formats(4, 4, (1,), config.kv_int6_layers)] == [6, 8, 6, 4]
+    with pytest.raises(ValueError, match="KV_INT6_LAYERS names layers \\[4\\]"):
+        layer_formats(4, 4, (), (4,))
+    with pytest.raises(ValueError, match="layers \\[1\\] are named both"):
+        layer_formats(4, 4, (1,), (1, 2))
 
 
 @pytest.mark.parametrize("head_dim", [64, 24])  # 24: not a multiple of the vector width (portable loop)
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 6, 4])
 def test_the_native_kernel_reads_bf16_blocks_as_torch_does(bits: int, head_dim: int) -> None:
     """bf16 store, every row read once and some twice: the kernel's one fused multiply-add
     rounds once, torch's bf16 multiply-add may round differently by one bf16 step at most."""
@@ -261,7 +288,7 @@ def runnable_builds() -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 24])  # 24: AVX2 reads 8-bit rows 8 wide, the rest loop
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 6, 4])
 def test_every_build_of_the_native_kernel_reads_what_dequantising_by_hand_gives(
     bits: int, head_dim: int, dtype: torch.dtype
 ) -> None:
@@ -271,7 +298,7 @@ def test_every_build_of_the_native_kernel_reads_what_dequantising_by_hand_gives(
     (one fused multiply-add in the kernel: bf16 results may differ by one bf16 step)."""
     native_kernel()  # skips without a compiler
     gen = torch.Generator().manual_seed(bits + head_dim)
-    rows_total, block, width = 9, 16, head_dim if bits == 8 else head_dim // 2
+    rows_total, block, width = 9, 16, head_dim * bits // 8
     codes = torch.randint(0, 256, (rows_total, block, width), generator=gen, dtype=torch.uint8)
     if bits == 8:
         codes = codes.view(torch.int8)
@@ -280,8 +307,8 @@ def test_every_build_of_the_native_kernel_reads_what_dequantising_by_hand_gives(
         params = (rows_total, block if per_token else head_dim)
         scale = (torch.rand(params, generator=gen) * 0.1).to(dtype)
         offset = torch.randn(params, generator=gen).to(dtype)
-        # 8-bit codes are stored centred; 4-bit ones packed, two to a byte
-        centred_codes = (codes if bits == 8 else centred(codes, QuantFormat(4))).float()[rows]
+        # 8-bit codes are stored centred; 4- and 6-bit ones packed (the 6-bit layout by hand: above)
+        centred_codes = (codes if bits == 8 else centred(codes, QuantFormat(bits))).float()[rows]
         s, b = (p.float()[rows].unsqueeze(2 if per_token else 1) for p in (scale, offset))
         expected = (centred_codes * s + b).to(dtype)
         for march, isa in [("native", ""), *runnable_builds()]:
@@ -327,7 +354,7 @@ def test_the_native_kernel_refuses_what_it_cannot_read() -> None:
 
 
 @pytest.mark.parametrize("reader", ["torch", "native"])
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 6, 4])
 def test_bf16_decode_attention_over_long_quantised_histories_matches_fp32(bits: int, reader: str) -> None:
     """bf16 cache, two sequences of 12 cold blocks, read by torch or the C kernel: against fp32
     attention over the same dequantised keys and values. Long histories average values towards
@@ -359,7 +386,9 @@ def test_bf16_decode_attention_over_long_quantised_histories_matches_fp32(bits: 
         probs = torch.softmax(q @ keys.permute(1, 2, 0) * 32**-0.5, dim=-1)  # (KVH, G, L)
         reference = (probs @ values.transpose(0, 1)).reshape(4, 32)
         row = int((group.rows == seq.q_start).nonzero())
-        assert float((out[row] - reference).abs().max()) < 0.02 * float(reference.abs().max())
+        # bf16 rounding of the history and of the products alone reaches ~2 % of the largest output
+        # on some draws (any bits); a misread code is off by whole steps
+        assert float((out[row] - reference).abs().max()) < 0.03 * float(reference.abs().max())
 
 
 @pytest.fixture(scope="module")
@@ -423,7 +452,7 @@ async def test_with_no_window_and_no_sink_only_the_block_being_written_stays_ful
     assert agree / sum(map(len, plain)) >= 0.95
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 6, 4])
 async def test_the_native_and_torch_readers_generate_the_same_tokens(tiny: LoadedModel, bits: int) -> None:
     """On CPU the engine reads quantised blocks with the C kernel unless told otherwise; both
     readers give the same fp32 values to rounding, so greedy decoding must not fork."""
@@ -467,16 +496,20 @@ async def test_an_older_cpus_kernel_path_is_chosen_by_name_and_generates_the_sam
     assert older == by_torch
 
 
-async def test_int4_with_every_layer_named_int8_is_the_int8_profile_token_for_token(
+async def test_int4_with_every_layer_named_int8_or_int6_is_that_profile_token_for_token(
     tiny: LoadedModel,
 ) -> None:
-    """KV_INT8_LAYERS over all layers stores and reads exactly what KV_QUANT_BITS=8 does; naming one
-    layer holds bytes between int4's and int8's, each layer in its format."""
+    """KV_INT8_LAYERS (KV_INT6_LAYERS) over all layers stores and reads exactly what KV_QUANT_BITS=8
+    (6) does; naming one layer holds bytes between int4's and int8's (int6's), each layer in its
+    format."""
     layers = int(tiny.model.config.num_hidden_layers)
     base: dict[str, object] = {"kv_compression": True, "kv_residual_tokens": 8}
     int8, _ = await run(tiny, **base, kv_quant_bits=8)
     every, _ = await run(tiny, **base, kv_quant_bits=4, kv_int8_layers=tuple(range(layers)))
     assert every == int8
+    int6, _ = await run(tiny, **base, kv_quant_bits=6)
+    every6, _ = await run(tiny, **base, kv_quant_bits=4, kv_int6_layers=tuple(range(layers)))
+    assert every6 == int6
 
     def cold_bytes(**options: object) -> float:
         config = EngineConfig(
@@ -488,12 +521,15 @@ async def test_int4_with_every_layer_named_int8_is_the_int8_profile_token_for_to
         )
         return Engine(config, tiny).stats().kv_cold_bytes_per_token
 
-    four, eight, one = (
+    four, six, eight, one, one6 = (
         cold_bytes(kv_quant_bits=4),
+        cold_bytes(kv_quant_bits=6),
         cold_bytes(kv_quant_bits=8),
         cold_bytes(kv_quant_bits=4, kv_int8_layers=(0,)),
+        cold_bytes(kv_quant_bits=4, kv_int6_layers=(0,)),
     )
     assert one == pytest.approx(four + (eight - four) / layers)
+    assert one6 == pytest.approx(four + (six - four) / layers) and four < six < eight
 
 
 async def test_status_reports_compression(tiny: LoadedModel) -> None:

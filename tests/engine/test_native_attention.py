@@ -166,7 +166,7 @@ def dequantised_by_hand(cache: KVCache, seq: SeqSlice) -> tuple[torch.Tensor, to
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 24])
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 6, 4])
 def test_every_build_attends_to_quantised_blocks_in_place_as_dequantising_by_hand(
     bits: int, head_dim: int, dtype: torch.dtype
 ) -> None:
@@ -312,7 +312,7 @@ def test_prompt_chunks_attended_in_place_as_attention_by_hand(head_dim: int, blo
             )
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 6, 4])
 def test_prompt_chunks_attend_in_place_to_quantised_history_as_dequantising_by_hand(bits: int) -> None:
     """bf16, quantised blocks out of order before the full-precision tokens (and a sequence with
     none): every in-place path (AMX tiles, AVX-512 BF16 vectors) gives float64 causal attention
