@@ -40,22 +40,23 @@ from rich.table import Table
 from bench import common
 from bench.engine_steps import StepTimers, instrument
 from bench.engine_variants import engine_run, prompt_ids
-from bench.kv_formats import SENSITIVE, SIX_BIT_LAYERS
+from bench.kv_formats import SENSITIVE, SIX_BIT_LAYERS, SIX_BIT_PARTS
 from bench.kv_quality import load_corpus
 from engine.config import KVKernel
 from engine.loader import load_model
 
-# KV bits (16: uncompressed), reader, layers kept at 8 bits, layers kept at 6 bits
-PROFILES: dict[str, tuple[int, KVKernel, tuple[int, ...], tuple[int, ...]]] = {
-    "off": (16, "auto", (), ()),
-    "int8": (8, "auto", (), ()),
-    "int4": (4, "auto", (), ()),
-    "int4+int8@5": (4, "auto", SENSITIVE, ()),  # bench.kv_quality's profile of that name
-    "int4+int8@5-avx2": (4, "avx2", SENSITIVE, ()),  # the kernel's AVX2 path (CPUs without AVX-512)
-    "int4+int8@5-portable": (4, "portable", SENSITIVE, ()),  # its portable loop (no vector path)
-    "int4+int6@10": (4, "auto", (), SIX_BIT_LAYERS),  # the same bytes, 6 bits in ten layers
-    "int8-torch": (8, "torch", (), ()),
-    "int4-torch": (4, "torch", (), ()),
+# KV bits (16: uncompressed), reader, layers kept at 8 bits, layers kept at 6 bits, parts kept at 6 bits
+PROFILES: dict[str, tuple[int, KVKernel, tuple[int, ...], tuple[int, ...], tuple[str, ...]]] = {
+    "off": (16, "auto", (), (), ()),
+    "int8": (8, "auto", (), (), ()),
+    "int4": (4, "auto", (), (), ()),
+    "int4+int8@5": (4, "auto", SENSITIVE, (), ()),  # bench.kv_quality's profile of that name
+    "int4+int8@5-avx2": (4, "avx2", SENSITIVE, (), ()),  # the kernel's AVX2 path (CPUs without AVX-512)
+    "int4+int8@5-portable": (4, "portable", SENSITIVE, (), ()),  # its portable loop (no vector path)
+    "int4+int6@10": (4, "auto", (), SIX_BIT_LAYERS, ()),  # the same bytes, 6 bits in ten layers
+    "int4+int6@40parts": (4, "auto", (), (), SIX_BIT_PARTS),  # the same bytes, 6 bits in forty parts
+    "int8-torch": (8, "torch", (), (), ()),
+    "int4-torch": (4, "torch", (), (), ()),
 }
 DEFAULT_PROFILES = "off,int8,int4,int8-torch"
 
@@ -114,13 +115,13 @@ def main() -> None:
     try:
         for round_ in range(args.rounds):
             for name in rotated(names, round_):
-                bits, kernel, int8_layers, int6_layers = PROFILES[name]
+                bits, kernel, int8_layers, int6_layers, int6_parts = PROFILES[name]
                 timers.reset()
                 timers.active = True
                 run = engine_run(
                     loaded, prompts, args.new_tokens, at, True, args.max_batch, args.step_tokens,
                     args.prefix_caching, args.pool_mib << 20, bits, kernel, int8_layers,
-                    kv_int6_layers=int6_layers,
+                    kv_int6_layers=int6_layers, kv_int6_parts=int6_parts,
                 )  # fmt: skip
                 timers.active = False
                 steps, products = timers.total("whole step"), timers.total("weights' products")

@@ -76,6 +76,32 @@ MIXED = Format(layer_bits={layer: (8, 8) for layer in SENSITIVE})
 SIX_BIT_LAYERS = (9, 11, 13, 14, 15, 16, 20, 21, 22, 23)
 MIXED6 = Format(layer_bits={layer: (6, 6) for layer in SIX_BIT_LAYERS})
 
+# The same bytes as 6 bits in forty parts (layer, KV head, keys or values), allocated a part at a time
+# (`python -m bench.kv_heads --alloc 4,6` over kv-heads-cpu-24docs-bf16.json's sweep): about half
+# int4+int8@5's error in the search. The engine's KV_QUANT_BITS=4 KV_INT6_PARTS=<these, as 16.0.k>.
+SIX_BIT_PARTS = (
+    "3.0.v", "7.1.v", "9.1.k", "9.1.v", "10.1.k", "10.1.v", "11.0.k", "11.0.v", "11.1.k", "11.1.v", "13.0.k",
+    "13.0.v", "13.1.k", "13.1.v", "14.0.k", "14.0.v", "14.1.k", "14.1.v", "15.1.k", "15.1.v", "16.0.k", "16.0.v",
+    "16.1.k", "16.1.v", "17.1.k", "17.1.v", "19.0.k", "19.0.v", "20.1.k", "20.1.v", "21.0.k", "21.0.v", "21.1.k",
+    "21.1.v", "22.0.k", "22.0.v", "22.1.k", "22.1.v", "23.1.k", "23.1.v",
+)  # fmt: skip
+
+
+def parts_format(parts: tuple[str, ...], kv_heads: int = 2) -> Format:
+    """int4 with `parts` ("layer.head.k" or "layer.head.v") at 6 bits, as KV_INT6_PARTS stores them."""
+    named = {(int(layer), int(head), kind) for layer, head, kind in (part.split(".") for part in parts)}
+    layers = {layer for layer, _, _ in named}
+    return Format(
+        head_bits={
+            (layer, head): (6 if (layer, head, "k") in named else 4, 6 if (layer, head, "v") in named else 4)
+            for layer in layers
+            for head in range(kv_heads)
+        }
+    )
+
+
+MIXED6_PARTS = parts_format(SIX_BIT_PARTS)
+
 FORMATS: dict[str, Format] = {
     "floor": Format(quantise=False, prompt_chunk=128),
     "int8": Format(key_bits=8, value_bits=8),
@@ -106,6 +132,7 @@ FORMATS: dict[str, Format] = {
     "int4+int8@5layers-w16": replace(MIXED, residual=16),
     "int4+int8@5layers-w0": replace(MIXED, residual=0),
     "int4+int6@10layers-w0": replace(MIXED6, residual=0),
+    "int4+int6@40parts-w0": replace(MIXED6_PARTS, residual=0),
     "int4+int8@5layers-nosink": replace(MIXED, sink_blocks=0),
     "int4+int8@5layers-w0-nosink": replace(MIXED, residual=0, sink_blocks=0),
     "int4-w0-nosink": Format(residual=0, sink_blocks=0),

@@ -50,7 +50,7 @@ from rich.table import Table
 
 from bench import common, real_data
 from bench.kv_forced import Forcing, Reference, continuation_forcing, reference_pass, teacher_forced_pass
-from bench.kv_formats import SENSITIVE, SIX_BIT_LAYERS
+from bench.kv_formats import SENSITIVE, SIX_BIT_LAYERS, SIX_BIT_PARTS
 from engine import Engine, EngineConfig, SamplingParams
 from engine.kv_cache import ColdStore, KVShape
 from engine.loader import LoadedModel, load_model
@@ -92,6 +92,13 @@ PROFILES: dict[str, dict[str, Any]] = {
     "int4+int8@5-w0": MIXED | {"kv_residual_tokens": 0},
     "int4+int8@5-w0-nosink": MIXED | {"kv_residual_tokens": 0, "kv_sink_tokens": 0},
     "int4+int6@10-w0": MIXED6 | {"kv_residual_tokens": 0},
+    # The same bytes as 6 bits in forty (layer, KV head, keys or values) parts (SIX_BIT_PARTS).
+    "int4+int6@40parts-w0": {
+        "kv_compression": True,
+        "kv_quant_bits": 4,
+        "kv_int6_parts": SIX_BIT_PARTS,
+        "kv_residual_tokens": 0,
+    },
     "int4+prune-0.7": {"kv_compression": True, "kv_quant_bits": 4, "kv_keep_ratio": 0.7},
     "int8+prune-0.4": {"kv_compression": True, "kv_quant_bits": 8, "kv_keep_ratio": 0.4},
     "aggressive-int4+prune-0.35-w16": {

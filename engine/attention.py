@@ -200,8 +200,7 @@ def in_place_attention(
     q = query.index_select(1, decodes.rows).transpose(0, 1).contiguous()  # (B, H, D)
     cold = None
     if decodes.cold_blocks is not None and decodes.cold_starts is not None and cache.cold is not None:
-        bits = cache.cold.formats[layer].bits
-        cold = (cache.cold.layer(layer), bits, decodes.cold_blocks, decodes.cold_starts)
+        cold = (cache.cold.layer(layer), cache.cold.parts(layer), decodes.cold_blocks, decodes.cold_starts)
     return cache.kernel.decode_attention(
         q, cache.keys[layer], cache.values[layer], decodes.slots, decodes.starts, scale, cold
     )
@@ -254,7 +253,7 @@ def paged_attention(
             # history read where it lies (AMX tiles; quantised blocks dequantised on the way): no mask
             cold = None
             if seq.cold_blocks is not None and cache.cold is not None:
-                cold = (cache.cold.layer(layer), cache.cold.formats[layer].bits, seq.cold_blocks)
+                cold = (cache.cold.layer(layer), cache.cold.parts(layer), seq.cold_blocks)
             out[seq.q_start : seq.q_start + seq.q_len] = prompts.prefill_attention(
                 q[0], cache.keys[layer], cache.values[layer], seq.kv_slots, scale, cold
             )

@@ -53,10 +53,10 @@ static void history_row(const attention *a, const cold_layer *c, int64_t cold_le
         return;
     }
     int64_t r = c->blocks[c->starts[0] + j / c->block] * a->kv_heads + h, t = j % c->block;
-    codes_f32(c, c->key_codes, r, t, dim, codes);
+    codes_f32(c, 0, r, t, dim, codes);
     for (int64_t d = 0; d < dim; d++)
         key[d] = f32_to_bf16(codes[d] * param(c->key_scale, r * dim + d, 0) + param(c->key_offset, r * dim + d, 0));
-    codes_f32(c, c->value_codes, r, t, dim, codes);
+    codes_f32(c, 1, r, t, dim, codes);
     float scale = param(c->value_scale, r * c->block + t, 0), offset = param(c->value_offset, r * c->block + t, 0);
     for (int64_t d = 0; d < dim; d++)
         value[d] = f32_to_bf16(codes[d] * scale + offset);

@@ -53,36 +53,71 @@ typedef struct {
  * kv_native.c for the format: rows are (block, KV head); value = centred code * scale + offset,
  * keys' (scale, offset) per channel of a row, values' per token). */
 typedef struct {
-    const void *key_codes, *key_scale, *key_offset; /* [rows][block][width], [rows][dim] x 2 */
-    const void *value_codes, *value_scale, *value_offset; /* [rows][block][width], [rows][block] x 2 */
-    int64_t bits;                /* 8 (int8, centred), 6 (kv_codes.h, centre 32) or 4 (two to a byte, centre 8) */
+    const void *key_codes, *key_scale, *key_offset; /* [blocks][key_stride], [rows][dim] x 2 */
+    const void *value_codes, *value_scale, *value_offset; /* [blocks][value_stride], [rows][block] x 2 */
+    int64_t kv_heads; /* rows are (block, KV head); a block's codes are each head's [block][width] in turn */
+    /* per KV head: its codes' bits (8: int8, centred; 6: kv_codes.h, centre 32; 4: two to a byte,
+     * centre 8) and first byte within a block; bytes of a block's codes */
+    const int64_t *key_bits, *key_starts;
+    int64_t key_stride;
+    const int64_t *value_bits, *value_starts;
+    int64_t value_stride;
     int64_t block, num_blocks;   /* tokens a block, blocks in the store */
     const int64_t *blocks;       /* sequence i's blocks (in order): blocks[starts[i] .. starts[i + 1]) */
     const int64_t *starts;
 } cold_layer;
 
-/* Token t of row r of a quantised layer's codes, centred, as float32. */
-static inline void codes_f32(const cold_layer *c, const void *codes, int64_t r, int64_t t, int64_t dim, float *out) {
-    if (c->bits == 8) {
-        const int8_t *p = (const int8_t *)codes + (r * c->block + t) * dim;
+/* Row r's key (values = 0) or value codes, token 0, and their bits. */
+static inline const uint8_t *cold_codes(const cold_layer *c, int values, int64_t r, int64_t *bits) {
+    int64_t head = r % c->kv_heads, block = r / c->kv_heads;
+    *bits = (values ? c->value_bits : c->key_bits)[head];
+    return (const uint8_t *)(values ? c->value_codes : c->key_codes) + block * (values ? c->value_stride : c->key_stride) +
+           (values ? c->value_starts : c->key_starts)[head];
+}
+
+/* Token t of row r of a quantised layer's key (values = 0) or value codes, centred, as float32. */
+static inline void codes_f32(const cold_layer *c, int values, int64_t r, int64_t t, int64_t dim, float *out) {
+    int64_t bits;
+    const uint8_t *codes = cold_codes(c, values, r, &bits);
+    if (bits == 8) {
+        const int8_t *p = (const int8_t *)codes + t * dim;
 #pragma omp simd
         for (int64_t d = 0; d < dim; d++)
             out[d] = (float)p[d];
         return;
     }
-    if (c->bits == 6) {
-        const uint8_t *p = (const uint8_t *)codes + (r * c->block + t) * (dim * 3 / 4);
+    if (bits == 6) {
+        const uint8_t *p = codes + t * (dim * 3 / 4);
         for (int64_t d = 0; d < dim; d++)
             out[d] = (float)(kv_code6(p, dim, d) - 32);
         return;
     }
     int64_t half = dim / 2;
-    const uint8_t *p = (const uint8_t *)codes + (r * c->block + t) * half;
+    const uint8_t *p = codes + t * half;
 #pragma omp simd
     for (int64_t d = 0; d < half; d++) {
         out[d] = (float)((int)(p[d] & 0x0F) - 8);
         out[d + half] = (float)((int)(p[d] >> 4) - 8);
     }
+}
+
+/* Whether a quantised layer's heads lie in its blocks as this file reads them (see cold_layer). */
+static int cold_ok(const cold_layer *c, int64_t kv_heads, int64_t dim) {
+    if (c->kv_heads != kv_heads || kv_heads < 1)
+        return 0;
+    for (int values = 0; values < 2; values++) {
+        const int64_t *bits = values ? c->value_bits : c->key_bits, *starts = values ? c->value_starts : c->key_starts;
+        int64_t end = 0, stride = values ? c->value_stride : c->key_stride;
+        for (int64_t h = 0; h < kv_heads; h++) {
+            int64_t b = bits[h];
+            if ((b != 8 && b != 6 && b != 4) || (b == 4 && dim % 2) || (b == 6 && dim % 4) || starts[h] < end)
+                return 0;
+            end = starts[h] + c->block * dim * b / 8;
+        }
+        if (end > stride)
+            return 0;
+    }
+    return 1;
 }
 
 static inline float param(const void *base, int64_t i, int fp32) {
@@ -258,7 +293,7 @@ static void cold_scores(const attention *a, const cold_layer *c, const int64_t *
         int64_t r = blocks[b] * a->kv_heads + kv; /* the key scales and offsets are [rows][dim] */
         const float *scale = row_f32(a, c->key_scale, r, params), *offset = row_f32(a, c->key_offset, r, params + dim);
         for (int64_t t = 0; t < c->block; t++)
-            codes_f32(c, c->key_codes, r, t, dim, tile + t * dim);
+            codes_f32(c, 0, r, t, dim, tile + t * dim);
         for (int64_t g = 0; g < groups; g++) {
             const float *qg = row_f32(a, a->query, first + g, q);
             float bias = 0.0f;
@@ -289,7 +324,7 @@ static void cold_values(const attention *a, const cold_layer *c, const int64_t *
     for (int64_t b = 0; b < m; b++) {
         int64_t r = blocks[b] * a->kv_heads + kv;
         for (int64_t t = 0; t < c->block; t++) {
-            codes_f32(c, c->value_codes, r, t, dim, tile + t * dim);
+            codes_f32(c, 1, r, t, dim, tile + t * dim);
             scale[t] = param(c->value_scale, r * c->block + t, a->fp32);
             offset[t] = param(c->value_offset, r * c->block + t, a->fp32);
         }
@@ -484,8 +519,7 @@ int kv_decode_attention(const void *query, const void *keys, const void *values,
                         const int64_t *starts, int64_t seqs, int64_t kv_heads, int64_t groups, int64_t dim,
                         int64_t num_slots, float scale, int fp32, int tiles, const cold_layer *cold, void *out) {
     int64_t longest = 0;
-    if (cold != NULL && ((cold->bits != 8 && cold->bits != 6 && cold->bits != 4) || (cold->bits == 4 && dim % 2) ||
-                         (cold->bits == 6 && dim % 4)))
+    if (cold != NULL && !cold_ok(cold, kv_heads, dim))
         return -1;
     for (int64_t i = 0; i < seqs; i++) {
         int64_t n = starts[i + 1] - starts[i];
@@ -585,7 +619,7 @@ int kv_prefill_attention(const void *query, int64_t head_stride, int64_t token_s
     int64_t cold_len = cold != NULL ? (cold->starts[1] - cold->starts[0]) * cold->block : 0, kv_len = cold_len + hot;
     if (dim % 64 || groups > 16 || q_len < 1 || q_len > kv_len || cold_len < 0 || (tiles && !ATT_AMX))
         return -1;
-    if (cold != NULL && (cold->bits != 8 && cold->bits != 6 && cold->bits != 4))
+    if (cold != NULL && !cold_ok(cold, kv_heads, dim))
         return -1;
     for (int64_t j = 0; j < hot; j++)
         if (slots[j] < 0 || slots[j] >= num_slots)

@@ -153,8 +153,7 @@ static void weigh_tile_bf16(const attention *a, const uint16_t *const *rows, int
  * out, centre 32). dim a multiple of 32. */
 /* Channels d .. d + 16 of one token's 6-bit codes (kv_codes.h), centred: one load of nibbles and
  * one of top bits where the 16 lie in one quarter of the channels (dim a multiple of 64). */
-static inline __m512 six_bits16(const void *all, int64_t token, int64_t dim, int64_t d) {
-    const uint8_t *p = (const uint8_t *)all + token * (dim * 3 / 4);
+static inline __m512 six_bits16(const uint8_t *p, int64_t dim, int64_t d) {
     int64_t half = dim / 2, quarter = dim / 4;
     if (quarter % 16) {
         int32_t codes[16];
@@ -175,8 +174,10 @@ static void cold_rows_bf16(const cold_layer *c, int64_t r, int64_t t, int64_t k,
                            uint16_t *out) {
     const uint16_t *scales = (const uint16_t *)(values ? c->value_scale : c->key_scale);
     const uint16_t *offsets = (const uint16_t *)(values ? c->value_offset : c->key_offset);
-    const void *all = values ? c->value_codes : c->key_codes;
+    int64_t bits;
+    const uint8_t *row = cold_codes(c, values, r, &bits);
     for (int64_t j = 0; j < k; j++) {
+        const uint8_t *token = row + (t + j) * (dim * bits / 8);
         __m512 scale = _mm512_setzero_ps(), offset = _mm512_setzero_ps();
         if (values) {
             scale = _mm512_set1_ps(bf16_to_f32(scales[r * c->block + t + j]));
@@ -184,18 +185,18 @@ static void cold_rows_bf16(const cold_layer *c, int64_t r, int64_t t, int64_t k,
         }
         for (int64_t d = 0; d < dim; d += 16) {
             __m512 code; /* channels d .. d + 16, centred, as codes_f32 gives them */
-            if (c->bits == 8) {
-                const int8_t *p = (const int8_t *)all + (r * c->block + t + j) * dim + d;
+            if (bits == 8) {
+                const int8_t *p = (const int8_t *)token + d;
                 code = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-            } else if (c->bits == 6) {
-                code = six_bits16(all, r * c->block + t + j, dim, d);
+            } else if (bits == 6) {
+                code = six_bits16(token, dim, d);
             } else if (d < dim / 2) { /* low nibbles: the first half of the channels */
-                const uint8_t *p = (const uint8_t *)all + (r * c->block + t + j) * (dim / 2) + d;
+                const uint8_t *p = token + d;
                 __m512i byte = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
                 code = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(byte, _mm512_set1_epi32(15)),
                                                            _mm512_set1_epi32(8)));
             } else { /* high nibbles: the second half */
-                const uint8_t *p = (const uint8_t *)all + (r * c->block + t + j) * (dim / 2) + d - dim / 2;
+                const uint8_t *p = token + d - dim / 2;
                 __m512i byte = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
                 code = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(byte, 4), _mm512_set1_epi32(8)));
             }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -40,6 +41,12 @@ class EngineOptions(BaseModel):
         default=(),
         description="With 4-bit KV: layers (from 0; comma-separated, none of KV_INT8_LAYERS) whose "
         "blocks are kept at 6 bits.",
+    )
+    kv_int6_parts: Annotated[tuple[str, ...], NoDecode] = Field(
+        default=(),
+        description="With 4-bit KV: parts kept at 6 bits whatever their layer's bits, each a layer, a KV "
+        "head and k (its keys) or v (its values), comma-separated, e.g. 16.0.k,11.1.v: a KV head's keys "
+        "and values are quantised on their own, so each part may hold its own bits.",
     )
     kv_residual_tokens: int = Field(
         default=32, ge=0, le=4096, description="Recent tokens kept full precision."
@@ -144,6 +151,28 @@ class EngineOptions(BaseModel):
         if any(layer < 0 for layer in value) or len(set(value)) != len(value):
             raise ValueError("layers are numbered from 0, each named once")
         return tuple(sorted(value))
+
+    @field_validator("kv_int6_parts", mode="before")
+    @classmethod
+    def _part_list(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(part.strip() for part in value.split(",") if part.strip())
+        return value
+
+    @field_validator("kv_int6_parts")
+    @classmethod
+    def _parts_named_once(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if wrong := [part for part in value if not re.fullmatch(r"\d+\.\d+\.[kv]", part)]:
+            raise ValueError(f"{wrong}: parts are layer.head.k or layer.head.v, e.g. 16.0.k,11.1.v")
+        if len(set(value)) != len(value):
+            raise ValueError("parts are named once each")
+        return tuple(sorted(value, key=lambda part: (int(part.split(".")[0]), int(part.split(".")[1]), part)))
+
+    @property
+    def int6_parts(self) -> dict[tuple[int, int, bool], int]:
+        """KV_INT6_PARTS as (layer, KV head, values?) -> 6."""
+        named = (part.split(".") for part in self.kv_int6_parts)
+        return {(int(layer), int(head), kind == "v"): 6 for layer, head, kind in named}
 
     @property
     def pruning(self) -> bool:

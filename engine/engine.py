@@ -135,9 +135,13 @@ class Engine:
             "decode attention: %s; prompt attention: %s",
             num_blocks, num_cold, config.kv_quant_bits, config.block_size,
             "".join(
-                f" ({name} in layers {list(layers)})"
-                for name, layers in (("int8", config.kv_int8_layers), ("int6", config.kv_int6_layers))
-                if layers
+                f" ({name} {', '.join(map(str, named))})"
+                for name, named in (
+                    ("int8 in layers", config.kv_int8_layers),
+                    ("int6 in layers", config.kv_int6_layers),
+                    ("int6 in parts", config.kv_int6_parts),
+                )
+                if named
             ),
             self.cache.total_bytes / 2**20,
             shape.bytes_per_token, f", read by {self.cache.cold.reader}" if self.cache.cold else "",

@@ -16,6 +16,8 @@ import torch
 
 from engine.kv_native import NativeKernel
 from engine.kv_quant import (
+    LayerFormat,
+    Parts,
     QuantFormat,
     StoredLayer,
     hadamard,
@@ -51,39 +53,46 @@ class KVShape:
 class ColdStore:
     """Quantised blocks for every layer: key codes with a (scale, offset) per block and channel,
     value codes with a (scale, offset) per token. Block `i` here is block `num_hot + i` of the
-    pool. Head-major within a block (KVH, block_size, ...): a gather of blocks gives each (block,
-    KV head) its tokens contiguously, as the batched matmuls of decode attention want them.
-    Stored so that reading does the least work: 8-bit codes already centred (int8), and every
-    element is `centred code * scale + offset` with the offset (min + zero * scale) computed
-    once, here. Read with the native kernel where one is given (CPU), else with torch.
+    pool. Head-major within a block: each KV head's (block_size, C) codes in turn, so that a gather
+    of blocks gives each (block, KV head) its tokens contiguously, as the batched matmuls of decode
+    attention want them. Stored so that reading does the least work: 8-bit codes already centred
+    (int8 bit patterns), and every element is `centred code * scale + offset` with the offset
+    (min + zero * scale) computed once, here. Read with the native kernel where one is given
+    (CPU), else with torch.
 
     With `rotate`, keys and values are rotated by a Hadamard matrix over the head dimension before
     they are quantised and rotated back after they are read (`hadamard`): the same bytes, a
     different error.
 
-    Each layer has its format (`formats`; one format stands for every layer): layers of one
-    format share their tensors (`FormatGroup`), so that storing is one quantisation per format."""
+    Each layer has its format (`formats`; one format stands for every layer), and within a layer
+    each KV head's keys and values may hold their own (`LayerFormat`): layers of one format share
+    their tensors (`FormatGroup`), so that storing is one quantisation per format and part."""
 
     def __init__(
         self,
         shape: KVShape,
-        fmt: QuantFormat | Sequence[QuantFormat],
+        fmt: QuantFormat | Sequence[QuantFormat | LayerFormat],
         num_blocks: int,
         block_size: int,
         device: torch.device,
         kernel: NativeKernel | None = None,
         rotate: bool = False,
     ) -> None:
-        self.formats = per_layer(fmt, shape.num_layers)
+        self.formats = per_layer(fmt, shape.num_layers, shape.num_kv_heads)
         self.rotation = hadamard(shape.head_dim, device) if rotate else None
         self.num_blocks = num_blocks
         self.kernel = kernel
         self.groups = [
             FormatGroup.empty(f, [i for i, g in enumerate(self.formats) if g == f], shape, num_blocks,
                               block_size, device)
-            for f in sorted(set(self.formats), key=lambda f: f.bits)
+            for f in sorted(set(self.formats), key=lambda f: (f.lowest_bits, repr(f)))
         ]  # fmt: skip
         self._where = {layer: (group, i) for group in self.groups for i, layer in enumerate(group.layers)}
+        # per format, where each head's codes lie in a block (keys', values'): what the kernel reads
+        self._parts = {
+            f: (f.layout(False, shape.head_dim, block_size), f.layout(True, shape.head_dim, block_size))
+            for f in set(self.formats)
+        }
 
     @property
     def reader(self) -> str:
@@ -92,20 +101,24 @@ class ColdStore:
 
     @property
     def lowest_bits(self) -> int:
-        return self.groups[0].fmt.bits
+        return min(f.lowest_bits for f in self.formats)
 
     def layer(self, layer: int) -> StoredLayer:
         group, i = self._where[layer]
         return StoredLayer(*(t[i] for t in group.tensors))
 
+    def parts(self, layer: int) -> tuple[Parts, Parts]:
+        """Where each KV head's key codes and value codes lie in one of the layer's blocks."""
+        return self._parts[self.formats[layer]]
+
     @staticmethod
-    def bytes_per_block(shape: KVShape, fmt: QuantFormat | Sequence[QuantFormat], block_size: int) -> int:
+    def bytes_per_block(
+        shape: KVShape, fmt: QuantFormat | Sequence[QuantFormat | LayerFormat], block_size: int
+    ) -> int:
         """Exact bytes of one quantised block, every layer in its format."""
         element = torch.empty((), dtype=shape.dtype).element_size()
-        per_head = (
-            f.bytes_per_block(shape.head_dim, block_size, element) for f in per_layer(fmt, shape.num_layers)
-        )
-        return sum(per_head) * shape.num_kv_heads
+        formats = per_layer(fmt, shape.num_layers, shape.num_kv_heads)
+        return sum(f.bytes_per_block(shape.head_dim, block_size, element) for f in formats)
 
     @property
     def total_bytes(self) -> int:
@@ -129,16 +142,12 @@ class ColdStore:
         if self.kernel is None:
             keys, values = read_rows(stored, head_blocks, fmt)
         else:
-            size, width = stored.key_codes.shape[-2:]
-            bits, read = fmt.bits, self.kernel.dequantize
-            keys = read(
-                stored.key_codes.view(-1, size, width), stored.key_scale.flatten(0, 1),
-                stored.key_offset.flatten(0, 1), head_blocks, bits, per_token=False,
-            )  # fmt: skip
-            values = read(
-                stored.value_codes.view(-1, size, width), stored.value_scale.flatten(0, 1),
-                stored.value_offset.flatten(0, 1), head_blocks, bits, per_token=True,
-            )  # fmt: skip
+            (key_parts, value_parts), read = self.parts(layer), self.kernel.dequantize_layer
+            size, dim = stored.value_scale.shape[-1], stored.key_scale.shape[-1]
+            keys = read(stored.key_codes, stored.key_scale, stored.key_offset, head_blocks, key_parts, False,
+                        size, dim)  # fmt: skip
+            values = read(stored.value_codes, stored.value_scale, stored.value_offset, head_blocks,
+                          value_parts, True, size, dim)  # fmt: skip
         dim = keys.shape[-1]
         keys, values = self._rotated(keys), self._rotated(values)  # back: the rotation is its own inverse
         return ColdHistory(keys.view(pairs, -1, dim), values.view(pairs, -1, dim))
@@ -149,22 +158,28 @@ class ColdStore:
         return (x.float() @ self.rotation).to(x.dtype)
 
 
-def per_layer(fmt: QuantFormat | Sequence[QuantFormat], num_layers: int) -> tuple[QuantFormat, ...]:
-    """One format per layer: a single format stands for every layer."""
+def per_layer(
+    fmt: QuantFormat | Sequence[QuantFormat | LayerFormat], num_layers: int, kv_heads: int
+) -> tuple[LayerFormat, ...]:
+    """One format per layer, each head's keys and values alike unless a `LayerFormat` says: a
+    single format stands for every layer."""
     formats = (fmt,) * num_layers if isinstance(fmt, QuantFormat) else tuple(fmt)
     if len(formats) != num_layers:
         raise ValueError(f"{len(formats)} KV formats for {num_layers} layers")
-    return formats
+    out = tuple(LayerFormat.uniform(f, kv_heads) if isinstance(f, QuantFormat) else f for f in formats)
+    if any(len(f.keys) != kv_heads for f in out):
+        raise ValueError(f"a layer's KV formats name other than its {kv_heads} KV heads")
+    return out
 
 
 @dataclass(frozen=True)
 class FormatGroup:
     """The layers stored in one format, as tensors with a leading dimension over those layers:
-    key codes (layers, blocks, KVH, block_size, C) with a (scale, offset) per block and channel
-    (layers, blocks, KVH, D); value codes likewise with a (scale, offset) per token (layers,
-    blocks, KVH, block_size)."""
+    key codes (layers, blocks, bytes a block: each KV head's (block_size, C) in turn) with a
+    (scale, offset) per block and channel (layers, blocks, KVH, D); value codes likewise with a
+    (scale, offset) per token (layers, blocks, KVH, block_size)."""
 
-    fmt: QuantFormat
+    fmt: LayerFormat
     layers: tuple[int, ...]
     key_codes: torch.Tensor
     key_scale: torch.Tensor
@@ -175,22 +190,20 @@ class FormatGroup:
 
     @classmethod
     def empty(
-        cls, fmt: QuantFormat, layers: Sequence[int], shape: KVShape, num_blocks: int, block_size: int,
+        cls, fmt: LayerFormat, layers: Sequence[int], shape: KVShape, num_blocks: int, block_size: int,
         device: torch.device,
     ) -> FormatGroup:  # fmt: skip
-        heads, dim = shape.num_kv_heads, shape.head_dim
-        codes = (len(layers), num_blocks, heads, block_size, fmt.code_dim(dim))
-        per_channel, per_token = (
-            (len(layers), num_blocks, heads, dim),
-            (len(layers), num_blocks, heads, block_size),
-        )
+        heads, dim, n = shape.num_kv_heads, shape.head_dim, len(layers)
+        key_codes = (n, num_blocks, fmt.code_bytes(False, dim, block_size))
+        value_codes = (n, num_blocks, fmt.code_bytes(True, dim, block_size))
+        per_channel, per_token = (n, num_blocks, heads, dim), (n, num_blocks, heads, block_size)
 
         def zeros(size: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(size, dtype=dtype, device=device)
 
         return cls(
-            fmt, tuple(layers), zeros(codes, fmt.storage_dtype), zeros(per_channel, shape.dtype),
-            zeros(per_channel, shape.dtype), zeros(codes, fmt.storage_dtype), zeros(per_token, shape.dtype),
+            fmt, tuple(layers), zeros(key_codes, torch.uint8), zeros(per_channel, shape.dtype),
+            zeros(per_channel, shape.dtype), zeros(value_codes, torch.uint8), zeros(per_token, shape.dtype),
             zeros(per_token, shape.dtype),
         )  # fmt: skip
 
@@ -201,20 +214,31 @@ class FormatGroup:
                 self.value_offset)  # fmt: skip
 
     def store(self, keys: torch.Tensor, values: torch.Tensor, blocks: torch.Tensor) -> None:
-        """These layers' full-precision blocks (layers, n, block_size, KVH, D) into `blocks` (n,)."""
-        fmt = self.fmt
-        codes, scale, low = quantize_keys(keys, fmt)  # codes (layers, n, bs, KVH, C)
-        self.key_codes.index_copy_(1, blocks, to_storage(codes, fmt).transpose(2, 3).contiguous())
-        self.key_scale.index_copy_(1, blocks, scale)
-        self.key_offset.index_copy_(1, blocks, self._offset(scale, low))
-        codes, scale, low = quantize_values(values, fmt)  # scale and min (layers, n, bs, KVH)
-        self.value_codes.index_copy_(1, blocks, to_storage(codes, fmt).transpose(2, 3).contiguous())
-        self.value_scale.index_copy_(1, blocks, scale.transpose(2, 3).contiguous())
-        self.value_offset.index_copy_(1, blocks, self._offset(scale, low).transpose(2, 3).contiguous())
-
-    def _offset(self, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-        """x = code * scale + min = (code - zero) * scale + (min + zero * scale)."""
-        return (low.float() + self.fmt.zero * scale.float()).to(scale.dtype)
+        """These layers' full-precision blocks (layers, n, block_size, KVH, D) into `blocks` (n,):
+        all heads at once where a kind's heads share a format, else a head at a time."""
+        heads = keys.shape[-2]
+        for kind, x in ((False, keys), (True, values)):
+            codes_of, scale_of, offset_of = (
+                (self.value_codes, self.value_scale, self.value_offset)
+                if kind
+                else (self.key_codes, self.key_scale, self.key_offset)
+            )
+            alike = self.fmt.alike(kind)
+            spans = [(0, heads, alike)] if alike is not None else [
+                (head, head + 1, part) for head, part in enumerate(self.fmt.parts(kind))
+            ]  # fmt: skip
+            start = 0
+            for first, last, part in spans:
+                codes, scale, low = (quantize_values if kind else quantize_keys)(x[..., first:last, :], part)
+                # codes (layers, n, bs, heads, C) -> (layers, n, heads * bs * C), head-major
+                codes = to_storage(codes, part).transpose(2, 3).flatten(2).view(torch.uint8)
+                offset = (low.float() + part.zero * scale.float()).to(scale.dtype)
+                if kind:  # (layers, n, bs, heads) -> (layers, n, heads, bs)
+                    scale, offset = scale.transpose(2, 3), offset.transpose(2, 3)
+                codes_of[..., start : start + codes.shape[-1]].index_copy_(1, blocks, codes)
+                scale_of[:, :, first:last].index_copy_(1, blocks, scale.contiguous())
+                offset_of[:, :, first:last].index_copy_(1, blocks, offset.contiguous())
+                start += codes.shape[-1]
 
 
 @dataclass(frozen=True)

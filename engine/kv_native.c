@@ -1,6 +1,8 @@
 /* Gather-and-dequantise of quantised KV rows on the CPU, in one pass (see engine/kv_native.py).
  *
- * A row is one (block, KV head) of the quantised store: `block` tokens of `dim` channels.
+ * A row is one (block, KV head) of the quantised store: `block` tokens of `dim` channels. Row r's
+ * codes lie at block r / kv_heads's `stride` bytes, from byte starts[head] on (head = r % kv_heads),
+ * in bits[head]: a KV head's codes may hold their own format.
  * Codes are 8-bit (int8, already centred), 4-bit (two to a byte: the low nibble holds
  * channel d, the high nibble channel d + dim/2; stored uncentred, 0..15, centre 8) or 6-bit
  * (their low nibbles as 4-bit codes, then their top two bits four to a byte: kv_codes.h; centre
@@ -38,14 +40,24 @@
 #endif
 
 typedef struct {
-    const void *codes;  /* [rows][block][width] */
-    const void *scale;  /* [rows][dim] per channel, or [rows][block] per token */
-    const void *offset; /* same shape as scale */
-    int bits;           /* 8, 6 or 4 */
-    int per_token;      /* 1: (scale, offset) per token of the row, 0: per channel */
-    int fp32;           /* 1: scale, offset and out are float32, 0: bfloat16 */
+    const void *codes;      /* [blocks][stride]: each KV head's [block][width] in turn */
+    const void *scale;      /* [rows][dim] per channel, or [rows][block] per token */
+    const void *offset;     /* same shape as scale */
+    int64_t kv_heads;       /* rows are (block, KV head) */
+    const int64_t *bits;    /* per KV head: 8, 6 or 4 */
+    const int64_t *starts;  /* per KV head: its codes' first byte within a block */
+    int64_t stride;         /* bytes of a block's codes */
+    int per_token;          /* 1: (scale, offset) per token of the row, 0: per channel */
+    int fp32;               /* 1: scale, offset and out are float32, 0: bfloat16 */
     int64_t block, dim;
 } kv_layer;
+
+/* Row r's codes and their bits. */
+static inline const uint8_t *row_codes(const kv_layer *l, int64_t r, int *bits) {
+    int64_t head = r % l->kv_heads;
+    *bits = (int)l->bits[head];
+    return (const uint8_t *)l->codes + (r / l->kv_heads) * l->stride + l->starts[head];
+}
 
 static inline float load1(const void *p, int64_t i, int fp32) {
     return fp32 ? ((const float *)p)[i] : bf16_to_f32(((const uint16_t *)p)[i]);
@@ -58,10 +70,10 @@ static inline void store1(void *p, int64_t i, float x, int fp32) {
         ((uint16_t *)p)[i] = f32_to_bf16(x);
 }
 
-static inline int code_at(const kv_layer *l, const uint8_t *row, int64_t t, int64_t d) {
-    if (l->bits == 8)
+static inline int code_at(const kv_layer *l, int bits, const uint8_t *row, int64_t t, int64_t d) {
+    if (bits == 8)
         return ((const int8_t *)row)[t * l->dim + d];
-    if (l->bits == 6)
+    if (bits == 6)
         return kv_code6(row + t * (l->dim * 3 / 4), l->dim, d) - 32;
     int64_t half = l->dim / 2;
     uint8_t byte = row[t * half + (d < half ? d : d - half)];
@@ -69,12 +81,12 @@ static inline int code_at(const kv_layer *l, const uint8_t *row, int64_t t, int6
 }
 
 static void row_generic(const kv_layer *l, int64_t r, void *out, int64_t o) {
-    int64_t width = l->dim * l->bits / 8;
-    const uint8_t *row = (const uint8_t *)l->codes + r * l->block * width;
+    int bits;
+    const uint8_t *row = row_codes(l, r, &bits);
     for (int64_t t = 0; t < l->block; t++)
         for (int64_t d = 0; d < l->dim; d++) {
             int64_t k = l->per_token ? r * l->block + t : r * l->dim + d;
-            float x = (float)code_at(l, row, t, d) * load1(l->scale, k, l->fp32) + load1(l->offset, k, l->fp32);
+            float x = (float)code_at(l, bits, row, t, d) * load1(l->scale, k, l->fp32) + load1(l->offset, k, l->fp32);
             store1(out, o + t * l->dim + d, x, l->fp32);
         }
 }
@@ -178,8 +190,10 @@ static inline void params_v(const kv_layer *l, int64_t r, int64_t t, int64_t d, 
  * 4 * LANES (6-bit: then a step's channels lie in one quarter, whose top bits share a shift). */
 static void row_simd(const kv_layer *l, int64_t r, void *out, int64_t o) {
     vfloat s, b, s2, b2;
-    if (l->bits == 8) {
-        const int8_t *row = (const int8_t *)l->codes + r * l->block * l->dim;
+    int bits;
+    const uint8_t *codes = row_codes(l, r, &bits);
+    if (bits == 8) {
+        const int8_t *row = (const int8_t *)codes;
         for (int64_t t = 0; t < l->block; t++)
             for (int64_t d = 0; d < l->dim; d += LANES) {
                 params_v(l, r, t, d, &s, &b);
@@ -188,9 +202,9 @@ static void row_simd(const kv_layer *l, int64_t r, void *out, int64_t o) {
         return;
     }
     int64_t half = l->dim / 2;
-    if (l->bits == 6) {
+    if (bits == 6) {
         int64_t width = l->dim * 3 / 4, quarter = l->dim / 4;
-        const uint8_t *row = (const uint8_t *)l->codes + r * l->block * width;
+        const uint8_t *row = codes;
         for (int64_t t = 0; t < l->block; t++)
             for (int64_t d = 0; d < half; d += LANES) {
                 params_v(l, r, t, d, &s, &b);
@@ -203,7 +217,7 @@ static void row_simd(const kv_layer *l, int64_t r, void *out, int64_t o) {
             }
         return;
     }
-    const uint8_t *row = (const uint8_t *)l->codes + r * l->block * half;
+    const uint8_t *row = codes;
     for (int64_t t = 0; t < l->block; t++)
         for (int64_t d = 0; d < half; d += LANES) {
             params_v(l, r, t, d, &s, &b);
@@ -218,23 +232,36 @@ static void row_simd(const kv_layer *l, int64_t r, void *out, int64_t o) {
 /* The instruction set the rows are read with: "avx512-bf16", "avx2" or "generic". */
 const char *kv_native_isa(void) { return KV_AVX512 ? "avx512-bf16" : KV_AVX2 ? "avx2" : "generic"; }
 
-/* out[i] = row rows[i] of the layer (of num_rows), dequantised: out is [n][block][dim].
- * Returns 0, or -1 (and writes nothing) when a row is out of range or the format is unknown. */
-int kv_dequantize_rows(const void *codes, const void *scale, const void *offset, int bits, int per_token,
-                       int fp32, int64_t block, int64_t dim, int64_t num_rows, const int64_t *rows, int64_t n,
-                       void *out) {
-    if ((bits != 8 && bits != 6 && bits != 4) || (bits == 4 && dim % 2) || (bits == 6 && dim % 4))
+/* Whether a layer of kv_heads heads in these bits, at these starts, fits `stride` bytes a block
+ * of `block` tokens of `dim` channels: each head's codes inside the block, none overlapping. */
+static int layout_ok(int64_t kv_heads, const int64_t *bits, const int64_t *starts, int64_t stride, int64_t block,
+                     int64_t dim) {
+    int64_t end = 0;
+    for (int64_t h = 0; h < kv_heads; h++) {
+        int64_t b = bits[h];
+        if ((b != 8 && b != 6 && b != 4) || (b == 4 && dim % 2) || (b == 6 && dim % 4) || starts[h] < end)
+            return 0;
+        end = starts[h] + block * dim * b / 8;
+    }
+    return kv_heads > 0 && end <= stride;
+}
+
+/* out[i] = row rows[i] of the layer (of num_rows = blocks * kv_heads), dequantised: out is
+ * [n][block][dim]. Returns 0, or -1 (and writes nothing) when a row is out of range or the layout
+ * is not one kv_native.c reads. */
+int kv_dequantize_rows(const void *codes, const void *scale, const void *offset, int64_t kv_heads,
+                       const int64_t *bits, const int64_t *starts, int64_t stride, int per_token, int fp32,
+                       int64_t block, int64_t dim, int64_t num_rows, const int64_t *rows, int64_t n, void *out) {
+    if (!layout_ok(kv_heads, bits, starts, stride, block, dim))
         return -1;
     for (int64_t i = 0; i < n; i++)
         if (rows[i] < 0 || rows[i] >= num_rows)
             return -1;
-    kv_layer l = {codes, scale, offset, bits, per_token, fp32, block, dim};
-#if KV_AVX512 || KV_AVX2
-    int fast = dim % (bits == 8 ? LANES : bits == 4 ? 2 * LANES : 4 * LANES) == 0;
-#endif
+    kv_layer l = {codes, scale, offset, kv_heads, bits, starts, stride, per_token, fp32, block, dim};
     for (int64_t i = 0; i < n; i++) {
 #if KV_AVX512 || KV_AVX2
-        if (fast) {
+        int64_t b = bits[rows[i] % kv_heads];
+        if (dim % (b == 8 ? LANES : b == 4 ? 2 * LANES : 4 * LANES) == 0) {
             row_simd(&l, rows[i], out, i * block * dim);
             continue;
         }

@@ -37,7 +37,12 @@ from pathlib import Path
 
 import torch
 
-from engine.kv_quant import StoredLayer
+from engine.kv_quant import Parts, StoredLayer
+
+# A layer of the quantised store, where its keys' and values' codes lie per KV head, and which of
+# its blocks each sequence's history holds (block starts, for decodes).
+Cold = tuple[StoredLayer, tuple[Parts, Parts], torch.Tensor, torch.Tensor]
+ColdChunk = tuple[StoredLayer, tuple[Parts, Parts], torch.Tensor]
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +60,10 @@ class ColdLayer(ctypes.Structure):
     _fields_ = [
         *((name, ctypes.c_void_p) for name in ("key_codes", "key_scale", "key_offset", "value_codes",
                                                 "value_scale", "value_offset")),
-        ("bits", ctypes.c_int64), ("block", ctypes.c_int64), ("num_blocks", ctypes.c_int64),
+        ("kv_heads", ctypes.c_int64),
+        ("key_bits", ctypes.c_void_p), ("key_starts", ctypes.c_void_p), ("key_stride", ctypes.c_int64),
+        ("value_bits", ctypes.c_void_p), ("value_starts", ctypes.c_void_p), ("value_stride", ctypes.c_int64),
+        ("block", ctypes.c_int64), ("num_blocks", ctypes.c_int64),
         ("blocks", ctypes.c_void_p), ("starts", ctypes.c_void_p),
     ]  # fmt: skip
 
@@ -111,30 +119,66 @@ class NativeKernel:
         bits: int,
         per_token: bool,
     ) -> torch.Tensor:
-        """Rows (n,) of a layer's store, dequantised: (n, block, dim) in the scale's dtype.
+        """Rows (n,) of codes in one format, dequantised: (n, block, dim) in the scale's dtype.
 
         codes (R, block, width): int8 centred 8-bit codes or packed 6- or 4-bit ones; scale and offset
         (R, dim) per channel, or (R, block) per token; value = centred code * scale + offset."""
         if codes.dtype != (torch.int8 if bits == 8 else torch.uint8):
             raise NativeKernelError(f"{bits}-bit codes stored as {codes.dtype}")
+        if any(t.device.type != "cpu" or not t.is_contiguous() for t in (codes, scale, offset)):
+            raise NativeKernelError("the native KV kernel reads contiguous CPU tensors only")
         num_rows, block, width = codes.shape
         dim = width * 8 // bits
-        expected = (num_rows, block if per_token else dim)
-        parts = (codes, scale, offset, rows)
-        if any(t.device.type != "cpu" or not t.is_contiguous() for t in parts):
+        if scale.shape != (num_rows, block if per_token else dim) or offset.shape != scale.shape:
+            raise NativeKernelError(f"scale/offset {tuple(scale.shape)} for codes {tuple(codes.shape)}")
+        one = Parts(torch.tensor([bits]), torch.tensor([0]), block * width)  # each row a block of one head
+        flat = codes.view(num_rows, -1).view(torch.uint8)
+        read = self.dequantize_layer
+        return read(flat, scale[:, None], offset[:, None], rows, one, per_token, block, dim)
+
+    def dequantize_layer(
+        self,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        offset: torch.Tensor,
+        rows: torch.Tensor,
+        parts: Parts,
+        per_token: bool,
+        block: int,
+        dim: int,
+    ) -> torch.Tensor:
+        """Rows (n,) of (block, KV head) of a stored layer, dequantised: (n, block, dim) in the
+        scale's dtype. codes (blocks, bytes a block) uint8, each head's in its part's format where
+        `parts` says; scale and offset (blocks, KVH, dim) per channel, or (blocks, KVH, block) per
+        token; value = centred code * scale + offset."""
+        kv_heads = scale.shape[1] if scale.dim() == 3 else 0
+        blocks = codes.shape[0]
+        if codes.dtype != torch.uint8 or codes.dim() != 2 or codes.shape[1] != parts.stride:
+            raise NativeKernelError(
+                f"codes {tuple(codes.shape)} {codes.dtype} for {parts.stride} bytes a block"
+            )
+        if parts.bits.shape != (kv_heads,) or parts.starts.shape != (kv_heads,):
+            raise NativeKernelError(f"parts for {parts.bits.shape[0]} heads, scales for {kv_heads}")
+        expected = (blocks, kv_heads, block if per_token else dim)
+        tensors = (codes, scale, offset, rows, parts.bits, parts.starts)
+        if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
             raise NativeKernelError("the native KV kernel reads contiguous CPU tensors only")
         if scale.shape != expected or offset.shape != expected or rows.dim() != 1:
             raise NativeKernelError(f"scale/offset {tuple(scale.shape)} for codes {tuple(codes.shape)}")
         if scale.dtype not in DTYPES or offset.dtype != scale.dtype or rows.dtype != torch.long:
             raise NativeKernelError(f"unsupported dtypes: {scale.dtype}, {offset.dtype}, {rows.dtype}")
+        if parts.bits.dtype != torch.long or parts.starts.dtype != torch.long:
+            raise NativeKernelError("parts' bits and starts are int64")
         out = torch.empty(rows.shape[0], block, dim, dtype=scale.dtype)
         status = self.library.kv_dequantize_rows(
-            codes.data_ptr(), scale.data_ptr(), offset.data_ptr(), bits, int(per_token),
-            int(scale.dtype == torch.float32), block, dim, num_rows, rows.data_ptr(), rows.shape[0],
-            out.data_ptr(),
+            codes.data_ptr(), scale.data_ptr(), offset.data_ptr(), kv_heads, parts.bits.data_ptr(),
+            parts.starts.data_ptr(), parts.stride, int(per_token), int(scale.dtype == torch.float32), block,
+            dim, blocks * kv_heads, rows.data_ptr(), rows.shape[0], out.data_ptr(),
         )  # fmt: skip
         if status:
-            raise NativeKernelError(f"rows out of range (of {num_rows}) or an unknown {bits}-bit format")
+            raise NativeKernelError(
+                f"rows out of range (of {blocks * kv_heads}) or parts the kernel cannot read"
+            )
         return out
 
     def decode_attention(
@@ -145,13 +189,13 @@ class NativeKernel:
         slots: torch.Tensor,
         starts: torch.Tensor,
         scale: float,
-        cold: tuple[StoredLayer, int, torch.Tensor, torch.Tensor] | None = None,
+        cold: Cold | None = None,
     ) -> torch.Tensor:
         """Attention of single-token queries (B, H, D) to their histories in a layer's cache, keys
         and values (S, KVH, D): sequence i's tokens at slots[starts[i]:starts[i + 1]] (long), in
         order; query head kv * (H // KVH) + g attends with KV head kv. Returns (B, H, D).
 
-        `cold`: (the layer of the quantised store, its bits, blocks, block starts): sequence i's
+        `cold`: (the layer of the quantised store, its heads' parts, blocks, block starts): sequence i's
         history begins with the store's blocks[block_starts[i]:block_starts[i + 1]], read where they
         lie (`kv_quant`'s format, never dequantised into a copy).
 
@@ -194,12 +238,12 @@ class NativeKernel:
         values: torch.Tensor,
         slots: torch.Tensor,
         scale: float,
-        cold: tuple[StoredLayer, int, torch.Tensor] | None = None,
+        cold: ColdChunk | None = None,
     ) -> torch.Tensor:
         """Attention of a prompt chunk's bf16 queries (H, q, D) (any strides but the channels') to
         its sequence's tokens at `slots` (n,) of a layer's keys and values (S, KVH, D), the
         chunk's own last, bottom-right causal: of kv tokens in all, its token i sees the first
-        kv - q + i + 1. `cold`: (the layer of the quantised store, its bits, blocks (m,)): the
+        kv - q + i + 1. `cold`: (the layer of the quantised store, its heads' parts, blocks (m,)): the
         history begins with those blocks, dequantised to bf16 as `dequantize` reads them. By AMX
         tiles (`tiles`), else by the AVX-512 BF16 build's vectors (head size a multiple of 64 either
         way): scores, a float32 softmax, values weighed with bf16 probabilities, as torch's flash
@@ -281,34 +325,50 @@ class NativeKernel:
             raise NativeKernelError(f"unsupported dtypes: {', '.join(str(t.dtype) for t in tensors)}")
 
 
-def _cold_layer(
-    cold: tuple[StoredLayer, int, torch.Tensor, torch.Tensor], query: torch.Tensor, seqs: int
-) -> ColdLayer:
-    stored, bits, blocks, starts = cold
-    num_blocks, kv_heads, block, width = stored.key_codes.shape
-    dim = query.shape[2]
-    if bits not in (4, 6, 8) or width * 8 != dim * bits or dim % {4: 2, 6: 4, 8: 1}[bits]:
-        raise NativeKernelError(f"{bits}-bit codes of width {width} for {dim} channels")
-    code = torch.int8 if bits == 8 else torch.uint8
-    if stored.key_codes.dtype != code or stored.value_codes.dtype != code:
-        raise NativeKernelError(f"{bits}-bit codes stored as {stored.key_codes.dtype}")
-    codes, per_channel, per_token = (num_blocks, kv_heads, block, width), (num_blocks, kv_heads, dim), (
-        num_blocks, kv_heads, block,
-    )  # fmt: skip
-    shapes = {"key_codes": codes, "value_codes": codes, "key_scale": per_channel, "key_offset": per_channel,
-              "value_scale": per_token, "value_offset": per_token}  # fmt: skip
+def _cold_layer(cold: Cold, query: torch.Tensor, seqs: int) -> ColdLayer:
+    stored, (keys, values), blocks, starts = cold
+    num_blocks, kv_heads, dim = stored.key_scale.shape
+    block = stored.value_scale.shape[2]
+    for name, parts in (("key", keys), ("value", values)):
+        if (
+            parts.bits.shape != (kv_heads,)
+            or parts.starts.shape != (kv_heads,)
+            or parts.bits.dtype != torch.long
+        ):
+            raise NativeKernelError(f"{name} parts for {parts.bits.shape} heads, the layer has {kv_heads}")
+        if (
+            parts.starts.dtype != torch.long
+            or parts.bits.device.type != "cpu"
+            or parts.starts.device.type != "cpu"
+        ):
+            raise NativeKernelError(f"{name} parts must be int64 CPU tensors")
+    per_channel, per_token = (num_blocks, kv_heads, dim), (num_blocks, kv_heads, block)
+    shapes = {"key_codes": (num_blocks, keys.stride), "value_codes": (num_blocks, values.stride),
+              "key_scale": per_channel, "key_offset": per_channel, "value_scale": per_token,
+              "value_offset": per_token}  # fmt: skip
+    if query.shape[2] != dim:
+        raise NativeKernelError(f"a query of {query.shape[2]} channels for a store of {dim}")
     for name, shape in shapes.items():
         tensor = getattr(stored, name)
-        if tuple(tensor.shape) != shape or (tensor.dtype.is_floating_point and tensor.dtype != query.dtype):
+        floating = tensor.dtype.is_floating_point
+        if tuple(tensor.shape) != shape or (
+            tensor.dtype != query.dtype if floating else tensor.dtype != torch.uint8
+        ):
             got = f"{tuple(tensor.shape)} {tensor.dtype}"
-            raise NativeKernelError(f"{name} {got}, expected {shape} {query.dtype}")
+            raise NativeKernelError(
+                f"{name} {got}, expected {shape} {query.dtype if floating else torch.uint8}"
+            )
     if blocks.dtype != torch.long or starts.dtype != torch.long or starts.shape != (seqs + 1,):
         got = f"blocks {blocks.dtype}, block starts {tuple(starts.shape)}"
         raise NativeKernelError(f"{got} for {seqs} sequences")
     if int(starts[0]) != 0 or int(starts[-1]) != blocks.shape[0]:
         raise NativeKernelError("block starts must run from 0 to the number of blocks")
     pointers = (t.data_ptr() for t in stored)
-    return ColdLayer(*pointers, bits, block, num_blocks, blocks.data_ptr(), starts.data_ptr())
+    return ColdLayer(
+        *pointers, kv_heads, keys.bits.data_ptr(), keys.starts.data_ptr(), keys.stride,
+        values.bits.data_ptr(), values.starts.data_ptr(), values.stride, block, num_blocks, blocks.data_ptr(),
+        starts.data_ptr(),
+    )  # fmt: skip
 
 
 def _compiler() -> str | None:
@@ -347,7 +407,7 @@ def load(march: str = "native", source_dir: Path | None = None) -> NativeKernel 
     library.kv_dequantize_rows.restype = ctypes.c_int
     pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     library.kv_dequantize_rows.argtypes = [
-        pointer, pointer, pointer, i32, i32, i32, i64, i64, i64, pointer, i64, pointer,
+        pointer, pointer, pointer, i64, pointer, pointer, i64, i32, i32, i64, i64, i64, pointer, i64, pointer,
     ]  # fmt: skip
     library.kv_attention_isa.restype = ctypes.c_char_p
     library.kv_decode_attention.restype = ctypes.c_int

@@ -32,7 +32,7 @@ from engine import kv_native
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, KVKernel, PrunePolicy
 from engine.kv_cache import ColdStore, KVCache, KVShape
-from engine.kv_quant import layer_formats
+from engine.kv_quant import layer_formats, part_formats
 from engine.loader import cpu_flags
 from engine.sequence import Sequence
 
@@ -247,7 +247,10 @@ def build_cache(config: EngineConfig, shape: KVShape, device: torch.device, max_
     if not config.quantising:
         blocks = cap // hot_bytes if usable is None else min(cap // hot_bytes, usable)
         return KVCache(shape, max(1, blocks), size, device, kernel=attends, prompts_in_place=in_place)
-    fmt = layer_formats(shape.num_layers, config.kv_quant_bits, config.kv_int8_layers, config.kv_int6_layers)
+    layers = layer_formats(
+        shape.num_layers, config.kv_quant_bits, config.kv_int8_layers, config.kv_int6_layers
+    )
+    fmt = part_formats(layers, shape.num_kv_heads, config.int6_parts)
     per_seq = -(-config.kv_sink_tokens // size) + -(-config.kv_residual_tokens // size) + 2
     step = max(config.max_tokens_per_step, config.saturated_budget)  # a step's new tokens
     hot_needed = config.effective_batch_size * per_seq + -(-step // size)

@@ -13,6 +13,7 @@ round-trip. On CPU the store is read by `kv_native` instead, and `read_rows` is 
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -97,6 +98,94 @@ def unpack(packed: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     return torch.cat((nibbles & 0x0F, nibbles >> 4), dim=-1) | (top << 4)
 
 
+class Parts(NamedTuple):
+    """Where each KV head's codes lie in one block of a stored layer's keys (or values): per head,
+    its bits and the byte its (block_size, C) codes start at; and the bytes of a block. CPU int64
+    tensors, so that the native kernel reads them where they lie."""
+
+    bits: torch.Tensor  # (KVH,)
+    starts: torch.Tensor  # (KVH,)
+    stride: int
+
+
+@dataclass(frozen=True)
+class LayerFormat:
+    """One layer's formats per KV head: its keys' and its values'. A KV head's keys are quantised
+    per channel over a block and its values per token, each head on its own, so each of these
+    parts may hold its own bits; a stored block holds its heads' codes one after another, each in
+    its part's format (all heads alike: the layout of one (block, KVH, block_size, C) tensor)."""
+
+    keys: tuple[QuantFormat, ...]
+    values: tuple[QuantFormat, ...]
+
+    def __post_init__(self) -> None:
+        if not self.keys or len(self.keys) != len(self.values):
+            raise ValueError(f"{len(self.keys)} key and {len(self.values)} value formats for one layer")
+
+    @classmethod
+    def uniform(cls, fmt: QuantFormat, kv_heads: int) -> LayerFormat:
+        return cls((fmt,) * kv_heads, (fmt,) * kv_heads)
+
+    def parts(self, values: bool) -> tuple[QuantFormat, ...]:
+        return self.values if values else self.keys
+
+    def alike(self, values: bool) -> QuantFormat | None:
+        """The format every head's keys (values) share, or None where heads differ."""
+        parts = self.parts(values)
+        return parts[0] if len(set(parts)) == 1 else None
+
+    @property
+    def lowest_bits(self) -> int:
+        return min(f.bits for f in (*self.keys, *self.values))
+
+    def code_bytes(self, values: bool, head_dim: int, block_size: int) -> int:
+        """Bytes of one block's codes, every head's keys (values)."""
+        return block_size * sum(f.code_dim(head_dim) for f in self.parts(values))
+
+    def layout(self, values: bool, head_dim: int, block_size: int) -> Parts:
+        widths = [block_size * f.code_dim(head_dim) for f in self.parts(values)]
+        starts = [sum(widths[:head]) for head in range(len(widths))]
+        bits = torch.tensor([f.bits for f in self.parts(values)], dtype=torch.long)
+        return Parts(bits, torch.tensor(starts, dtype=torch.long), sum(widths))
+
+    def bytes_per_block(self, head_dim: int, block_size: int, scale_bytes: int) -> int:
+        """Exact bytes of one block in this layer, every KV head, keys and values: the codes, each
+        token's value (scale, offset) and the block's key (scale, offset) per channel."""
+        heads = len(self.keys)
+        scales = heads * (2 * block_size + 2 * head_dim) * scale_bytes
+        codes = self.code_bytes(False, head_dim, block_size) + self.code_bytes(True, head_dim, block_size)
+        return codes + scales
+
+
+def part_formats(
+    formats: Sequence[QuantFormat], kv_heads: int, parts: Mapping[tuple[int, int, bool], int]
+) -> tuple[LayerFormat, ...]:
+    """Each layer's `LayerFormat`: its format (`layer_formats`) for every head's keys and values,
+    but `parts[(layer, KV head, values?)]` bits for those parts."""
+    layers = len(formats)
+    if beyond := sorted(part for part in parts if not (0 <= part[0] < layers and 0 <= part[1] < kv_heads)):
+        raise ValueError(f"KV parts {beyond} lie outside the model's {layers} layers x {kv_heads} KV heads")
+
+    def kind(layer: int, values: bool) -> tuple[QuantFormat, ...]:
+        return tuple(
+            QuantFormat(parts[(layer, head, values)]) if (layer, head, values) in parts else formats[layer]
+            for head in range(kv_heads)
+        )
+
+    return tuple(LayerFormat(kind(layer, False), kind(layer, True)) for layer in range(layers))
+
+
+def head_codes(codes: torch.Tensor, fmt: LayerFormat, head: int, values: bool, head_dim: int) -> torch.Tensor:
+    """One KV head's stored codes (..., blocks, block_size, C) out of a layer's (..., blocks, bytes
+    a block), viewed in its format's storage dtype."""
+    part = fmt.parts(values)[head]
+    width = part.code_dim(head_dim)
+    block_size = codes.shape[-1] // (fmt.code_bytes(values, head_dim, 1))
+    start = block_size * sum(f.code_dim(head_dim) for f in fmt.parts(values)[:head])
+    section = codes[..., start : start + block_size * width]
+    return section.view(*section.shape[:-1], block_size, width).view(part.storage_dtype)
+
+
 def centred(packed: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     """The codes minus `fmt.zero`, as int8: x = code * s + m = (code - zero) * s + (m + zero * s).
     Centred, 8-bit codes are stored as int8 and every element reads with one multiply-add against
@@ -139,12 +228,14 @@ def quantize_values(values: torch.Tensor, fmt: QuantFormat) -> Quantized:
 
 class StoredLayer(NamedTuple):
     """One layer of a quantised store, as `ColdStore` keeps it, rows being (block, KV head).
-    Every element reads as `centred code * scale + offset`, the offset being min + zero * scale."""
+    Every element reads as `centred code * scale + offset`, the offset being min + zero * scale.
+    A block's codes are its KV heads' (block_size, C) codes one after another, each head in its
+    part's format (`LayerFormat`), as bytes: 8-bit codes centred (int8 bit patterns)."""
 
-    key_codes: torch.Tensor  # (blocks, KVH, block_size, C), `fmt.storage_dtype`
+    key_codes: torch.Tensor  # (blocks, bytes a block) uint8
     key_scale: torch.Tensor  # (blocks, KVH, D): per channel of the block
     key_offset: torch.Tensor  # (blocks, KVH, D)
-    value_codes: torch.Tensor  # (blocks, KVH, block_size, C)
+    value_codes: torch.Tensor  # (blocks, bytes a block) uint8
     value_scale: torch.Tensor  # (blocks, KVH, block_size): per token
     value_offset: torch.Tensor  # (blocks, KVH, block_size)
 
@@ -162,22 +253,32 @@ def hadamard(dim: int, device: torch.device | None = None) -> torch.Tensor:
     return rotation
 
 
-def read_rows(layer: StoredLayer, rows: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor]:
+def read_rows(layer: StoredLayer, rows: torch.Tensor, fmt: LayerFormat) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows (n,) of (block, KV head), dequantised into the store's dtype: keys and values, each
     (n, bs, D). Plain torch on the store's device (the reference for `kv_native`, which does the
     same in one pass on CPU)."""
-    size, width = layer.key_codes.shape[-2], layer.key_codes.shape[-1]
-    dim, dtype = layer.key_scale.shape[-1], layer.key_scale.dtype
+    heads, dim = layer.key_scale.shape[-2:]
+    size, dtype = layer.value_scale.shape[-1], layer.key_scale.dtype
 
-    def codes(t: torch.Tensor) -> torch.Tensor:
-        stored = t.reshape(-1, size * width).index_select(0, rows).view(-1, size, width)
-        return stored_centred(stored, fmt).to(dtype)
+    def codes(t: torch.Tensor, values: bool) -> torch.Tensor:
+        alike = fmt.alike(values)
+        if alike is not None:  # one format: rows of (block, KV head) are equal slices of a block
+            width = alike.code_dim(dim)
+            stored = t.reshape(-1, size * width).index_select(0, rows).view(-1, size, width)
+            return stored_centred(stored.view(alike.storage_dtype), alike).to(dtype)
+        out = torch.empty(rows.shape[0], size, dim, dtype=dtype, device=t.device)
+        for head in range(heads):
+            part = fmt.parts(values)[head]
+            picked = (rows % heads == head).nonzero().squeeze(1)
+            stored = head_codes(t, fmt, head, values, dim).index_select(0, rows[picked] // heads)
+            out[picked] = stored_centred(stored, part).to(dtype)
+        return out
 
     def per_row(t: torch.Tensor, row_width: int) -> torch.Tensor:
         return t.reshape(-1, row_width).index_select(0, rows)
 
     key_scale, key_offset = per_row(layer.key_scale, dim)[:, None], per_row(layer.key_offset, dim)[:, None]
-    keys = torch.addcmul(key_offset, codes(layer.key_codes), key_scale)  # per channel
+    keys = torch.addcmul(key_offset, codes(layer.key_codes, False), key_scale)  # per channel
     value_scale, value_offset = per_row(layer.value_scale, size), per_row(layer.value_offset, size)
-    values = torch.addcmul(value_offset[..., None], codes(layer.value_codes), value_scale[..., None])
+    values = torch.addcmul(value_offset[..., None], codes(layer.value_codes, True), value_scale[..., None])
     return keys, values

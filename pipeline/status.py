@@ -20,6 +20,7 @@ def status_report(service: Service) -> dict[str, Any]:
             "quant_bits": stats.kv_quant_bits,
             "int8_layers": list(config.kv_int8_layers) if stats.kv_quant_bits == 4 else [],
             "int6_layers": list(config.kv_int6_layers) if stats.kv_quant_bits == 4 else [],
+            "int6_parts": list(config.kv_int6_parts) if stats.kv_quant_bits == 4 else [],
             "residual_tokens": config.kv_residual_tokens,
             "sink_tokens": config.kv_sink_tokens,
             "keep_ratio": config.kv_keep_ratio,

@@ -3,11 +3,14 @@ before it), and the chosen formats hold the bytes of as many parts at 8 bits as 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
 from bench.kv_fake import BLOCK, Format, bytes_ratio
-from bench.kv_formats import MIXED
+from bench.kv_formats import FORMATS, MIXED, MIXED6_PARTS, SIX_BIT_PARTS
 from bench.kv_heads import allocate, costliest, held_bytes, part_costs
 from engine.tiny import build_tiny
 
@@ -74,3 +77,21 @@ def test_more_widths_never_cost_more_in_the_model_and_the_budget_holds() -> None
     assert {b for bits in five.head_bits.values() for b in bits} > {4, 8}  # the other widths are used
     with pytest.raises(ValueError, match="cannot hold"):
         allocate(costs, (4, 8), held_bytes(Format(), list(costs), 64) - 1, 64)
+
+
+def test_the_engines_six_bit_parts_are_the_allocation_over_the_committed_sweep() -> None:
+    """SIX_BIT_PARTS (KV_INT6_PARTS of int4+int6@40parts) is what `allocate` gives for widths 4 and 6
+    within the profile's bytes over kv-heads-cpu-24docs-bf16.json's part costs, and the search's
+    format of those parts holds those bytes."""
+    sweep = json.loads((Path("bench/results") / "kv-heads-cpu-24docs-bf16.json").read_text())
+    costs = {(c["layer"], c["head"], c["part"]): c["kl"] for c in sweep["part_costs"]}
+    budget = held_bytes(FORMATS["int4+int8@5layers-w0"], list(costs), 64)
+    allocated = allocate(costs, (4, 6), budget, 64)
+    six = {
+        f"{layer}.{head}.{kind[0]}"
+        for layer, head, kind in costs
+        if allocated.bits(layer, head)[kind == "values"] == 6
+    }
+    assert six == set(SIX_BIT_PARTS)
+    assert held_bytes(MIXED6_PARTS, list(costs), 64) == budget
+    assert bytes_ratio(MIXED6_PARTS, 24, 64, kv_heads=2) == pytest.approx(bytes_ratio(MIXED, 24, 64))

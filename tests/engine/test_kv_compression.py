@@ -14,10 +14,13 @@ from engine.kv_cache import ColdStore, KVCache, KVShape, slots_of
 from engine.kv_native import NativeKernel, NativeKernelError
 from engine.kv_policy import heuristic_scores, kernel_target, select_kept, smooth
 from engine.kv_quant import (
+    LayerFormat,
     QuantFormat,
     centred,
     hadamard,
+    head_codes,
     layer_formats,
+    part_formats,
     quantize_keys,
     quantize_values,
     unpack,
@@ -194,7 +197,8 @@ def test_reading_stored_blocks_gives_what_dequantising_the_codes_gives(
     shape, size, fmt = KVShape(2, 2, 32, torch.float32), 16, QuantFormat(bits)
     store = ColdStore(shape, fmt, 6, size, torch.device("cpu"), kernel, rotate=rotate)
     h = hadamard(32) if rotate else torch.eye(32)
-    assert store.layer(1).key_codes.dtype == (torch.int8 if bits == 8 else torch.uint8)
+    stored = head_codes(store.layer(1).key_codes, store.formats[1], 1, False, 32)  # (blocks, bs, C)
+    assert stored.dtype == fmt.storage_dtype and stored.shape == (6, size, fmt.code_dim(32))
     assert store.reader == ("torch" if kernel is None else f"native-{kernel.isa}")
     blocks = outlier_keys(2, 2, 6, size, 2, 32)  # keys/values, (L, n, bs, KVH, D)
     store.store(blocks[0], blocks[1], torch.arange(6))
@@ -210,31 +214,38 @@ def test_reading_stored_blocks_gives_what_dequantising_the_codes_gives(
 
 @pytest.mark.parametrize("rotate", [False, True])
 @pytest.mark.parametrize("reader", ["torch", "native"])
-def test_a_store_of_mixed_formats_reads_each_layer_in_its_own(reader: str, rotate: bool) -> None:
-    """Layers 0 and 2 at 4 bits, layer 1 at 8 (KV_INT8_LAYERS), layer 3 at 6 (KV_INT6_LAYERS): each
-    layer reads back what dequantising its own format's codes gives, and the bytes are each layer's
-    format's."""
+def test_a_store_of_mixed_formats_reads_each_layer_and_part_in_its_own(reader: str, rotate: bool) -> None:
+    """Layers 0 and 2 at 4 bits, layer 1 at 8 (KV_INT8_LAYERS), layer 3 at 6 (KV_INT6_LAYERS), layer
+    4 with each KV head's keys and values in a format of their own (KV_INT6_PARTS): every (block,
+    KV head) reads back what dequantising its own part's codes gives, and the bytes are each
+    part's format's."""
     kernel = native_kernel() if reader == "native" else None
-    shape, size = KVShape(4, 2, 32, torch.float32), 16
-    formats = (QuantFormat(4), QuantFormat(8), QuantFormat(4), QuantFormat(6))
+    shape, size = KVShape(5, 2, 32, torch.float32), 16
+    parts = LayerFormat((QuantFormat(8), QuantFormat(6)), (QuantFormat(4), QuantFormat(6)))
+    formats = (QuantFormat(4), QuantFormat(8), QuantFormat(4), QuantFormat(6), parts)
     store = ColdStore(shape, formats, 4, size, torch.device("cpu"), kernel, rotate=rotate)
     h = hadamard(32) if rotate else torch.eye(32)
-    blocks = outlier_keys(2, 4, 4, size, 2, 32)  # keys/values, (L, n, bs, KVH, D)
+    blocks = outlier_keys(2, 5, 4, size, 2, 32)  # keys/values, (L, n, bs, KVH, D)
     store.store(blocks[0], blocks[1], torch.tensor([2, 0, 3, 1]))  # into blocks out of order
-    rows = torch.tensor([0, 7, 3, 4])  # (block, KV head) rows
-    for layer, fmt in enumerate(formats):
-        assert store.layer(layer).key_codes.shape[-1] == fmt.code_dim(32)
-        history = store.gathered(layer, rows, pairs=4)
-        keys = dequantize_keys(*quantize_keys(blocks[0, layer] @ h, fmt), fmt) @ h  # (n, bs, KVH, D)
-        values = dequantize_values(*quantize_values(blocks[1, layer] @ h, fmt), fmt) @ h
+    rows = torch.tensor([0, 7, 3, 4, 5])  # (block, KV head) rows
+    for layer, fmt in enumerate(store.formats):
+        history = store.gathered(layer, rows, pairs=5)
         for i, row in enumerate(rows.tolist()):
             block, head = divmod(row, 2)
             source = [2, 0, 3, 1].index(block)
-            torch.testing.assert_close(history.keys[i], keys[source, :, head], rtol=0, atol=1e-4)
-            torch.testing.assert_close(history.values[i], values[source, :, head], rtol=0, atol=1e-4)
-    per_layer = [ColdStore.bytes_per_block(KVShape(1, 2, 32, torch.float32), f, size) for f in formats]
+            key_fmt, value_fmt = fmt.keys[head], fmt.values[head]
+            key = blocks[0, layer, source, :, head : head + 1] @ h  # (bs, 1, D): one head's block
+            value = blocks[1, layer, source, :, head : head + 1] @ h
+            keys = dequantize_keys(*quantize_keys(key, key_fmt), key_fmt) @ h
+            values = dequantize_values(*quantize_values(value, value_fmt), value_fmt) @ h
+            torch.testing.assert_close(history.keys[i], keys[:, 0], rtol=0, atol=1e-4)
+            torch.testing.assert_close(history.values[i], values[:, 0], rtol=0, atol=1e-4)
+    assert store.formats[1] == LayerFormat.uniform(QuantFormat(8), 2) and store.formats[4] == parts
+    per_layer = [ColdStore.bytes_per_block(KVShape(1, 2, 32, torch.float32), (f,), size) for f in formats]
     assert ColdStore.bytes_per_block(shape, formats, size) == sum(per_layer)
     assert store.total_bytes == 4 * sum(per_layer)
+    # the parts' layer: keys 32 + 24 bytes a token, values 16 + 24, and each head's scales
+    assert per_layer[4] == size * (32 + 24 + 16 + 24) + 2 * (2 * size + 2 * 32) * 4
     assert store.lowest_bits == 4
 
 
@@ -254,6 +265,21 @@ def test_int8_layers_are_named_from_zero_once_each_and_within_the_model() -> Non
         layer_formats(4, 4, (), (4,))
     with pytest.raises(ValueError, match="layers \\[1\\] are named both"):
         layer_formats(4, 4, (1,), (1, 2))
+
+
+def test_int6_parts_are_a_layer_a_head_and_keys_or_values_each_named_once() -> None:
+    config = EngineConfig(model_path=Path("unused"), kv_int6_parts="11.1.v, 2.0.k,11.0.k")  # type: ignore[arg-type]
+    assert config.kv_int6_parts == ("2.0.k", "11.0.k", "11.1.v")
+    assert config.int6_parts == {(2, 0, False): 6, (11, 0, False): 6, (11, 1, True): 6}
+    for wrong, why in (("1.0.k,1.0.k", "named once"), ("1.0.q", "layer.head.k"), ("1,2", "layer.head.k")):
+        with pytest.raises(ValueError, match=why):
+            EngineConfig(model_path=Path("unused"), kv_int6_parts=wrong)  # type: ignore[arg-type]
+    formats = part_formats(layer_formats(3, 4, (2,)), 2, {(0, 1, True): 6, (2, 0, False): 6})
+    assert formats[0] == LayerFormat((QuantFormat(4),) * 2, (QuantFormat(4), QuantFormat(6)))
+    assert formats[1] == LayerFormat.uniform(QuantFormat(4), 2)
+    assert formats[2] == LayerFormat((QuantFormat(6), QuantFormat(8)), (QuantFormat(8),) * 2)
+    with pytest.raises(ValueError, match="outside the model's 3 layers x 2 KV heads"):
+        part_formats(layer_formats(3, 4), 2, {(0, 2, True): 6})
 
 
 @pytest.mark.parametrize("head_dim", [64, 24])  # 24: not a multiple of the vector width (portable loop)
@@ -510,6 +536,12 @@ async def test_int4_with_every_layer_named_int8_or_int6_is_that_profile_token_fo
     int6, _ = await run(tiny, **base, kv_quant_bits=6)
     every6, _ = await run(tiny, **base, kv_quant_bits=4, kv_int6_layers=tuple(range(layers)))
     assert every6 == int6
+    heads = int(tiny.model.config.num_key_value_heads)
+    named = ",".join(
+        f"{layer}.{head}.{kind}" for layer in range(layers) for head in range(heads) for kind in "kv"
+    )
+    every_part, _ = await run(tiny, **base, kv_quant_bits=4, kv_int6_parts=named)
+    assert every_part == int6
 
     def cold_bytes(**options: object) -> float:
         config = EngineConfig(
@@ -530,6 +562,9 @@ async def test_int4_with_every_layer_named_int8_or_int6_is_that_profile_token_fo
     )
     assert one == pytest.approx(four + (eight - four) / layers)
     assert one6 == pytest.approx(four + (six - four) / layers) and four < six < eight
+    part = cold_bytes(kv_quant_bits=4, kv_int6_parts="0.0.v")  # one head's values of one layer
+    heads = int(tiny.model.config.num_key_value_heads)
+    assert part == pytest.approx(four + (six - four) / layers / heads / 2)
 
 
 async def test_status_reports_compression(tiny: LoadedModel) -> None:

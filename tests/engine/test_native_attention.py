@@ -17,7 +17,7 @@ from engine import Engine, EngineConfig, SamplingParams, kv_native
 from engine.attention import SeqSlice, decode_attention, group_decodes, in_place_attention, in_place_decodes
 from engine.kv_cache import ColdStore, KVCache, KVShape, slots_of
 from engine.kv_native import NativeKernel, NativeKernelError
-from engine.kv_quant import QuantFormat, stored_centred
+from engine.kv_quant import LayerFormat, QuantFormat, head_codes, stored_centred
 from engine.loader import LoadedModel
 from engine.tiny import build_tiny
 from tests.engine.test_kv_compression import native_kernel, runnable_builds
@@ -130,11 +130,17 @@ def test_decodes_sharing_a_history_attend_each_as_alone(dtype: torch.dtype) -> N
         torch.testing.assert_close(got.double(), expected, rtol=step, atol=step, msg=label)
 
 
-def with_quantised_history(shape: KVShape, bits: int, seed: int) -> tuple[KVCache, list[SeqSlice]]:
-    """A cache with a quantised store of random blocks: sequence 0 holds 5 of them and 7 full-precision
-    tokens, sequence 1 none and 20 tokens, sequence 2 one and 1 token (in a block after 3's)."""
+# Two KV heads whose keys and values hold four different formats (keys 6 and 8 bits, values 4 and 6).
+MIXED = LayerFormat((QuantFormat(6), QuantFormat(8)), (QuantFormat(4), QuantFormat(6)))
+FORMATS = {"8": QuantFormat(8), "6": QuantFormat(6), "4": QuantFormat(4), "parts": MIXED}
+
+
+def with_quantised_history(shape: KVShape, name: str, seed: int) -> tuple[KVCache, list[SeqSlice]]:
+    """A cache with a quantised store of random blocks (`FORMATS[name]`): sequence 0 holds 5 of them
+    and 7 full-precision tokens, sequence 1 none and 20 tokens, sequence 2 one and 1 token (in a
+    block after 3's)."""
     size, gen = 16, torch.Generator().manual_seed(seed)
-    store = ColdStore(shape, QuantFormat(bits), 8, size, torch.device("cpu"))
+    store = ColdStore(shape, (FORMATS[name],), 8, size, torch.device("cpu"))
     blocks = torch.randn(2, 1, 8, size, shape.num_kv_heads, shape.head_dim, generator=gen)
     store.store(blocks[0].to(shape.dtype), blocks[1].to(shape.dtype), torch.arange(8))
     cache = KVCache(shape, 6, size, torch.device("cpu"), store)
@@ -156,9 +162,18 @@ def dequantised_by_hand(cache: KVCache, seq: SeqSlice) -> tuple[torch.Tensor, to
     if seq.cold_blocks is None or cache.cold is None:
         return keys, values
     stored, fmt, b = cache.cold.layer(0), cache.cold.formats[0], seq.cold_blocks
-    k = stored_centred(stored.key_codes[b], fmt).double() * stored.key_scale[b].double()[:, :, None]
+    dim = cache.shape.head_dim
+
+    def codes(packed: torch.Tensor, values: bool) -> torch.Tensor:  # (m, KVH, bs, D), centred
+        parts = fmt.parts(values)
+        heads = [
+            stored_centred(head_codes(packed, fmt, h, values, dim)[b], part) for h, part in enumerate(parts)
+        ]
+        return torch.stack(heads, dim=1).double()
+
+    k = codes(stored.key_codes, False) * stored.key_scale[b].double()[:, :, None]
     k = k + stored.key_offset[b].double()[:, :, None]  # (m, KVH, bs, D): per channel of a block
-    v = stored_centred(stored.value_codes[b], fmt).double() * stored.value_scale[b].double()[..., None]
+    v = codes(stored.value_codes, True) * stored.value_scale[b].double()[..., None]
     v = v + stored.value_offset[b].double()[..., None]  # per token
     cold_keys, cold_values = (x.transpose(0, 1).flatten(1, 2) for x in (k, v))  # (KVH, m * bs, D)
     return torch.cat((cold_keys, keys), dim=1), torch.cat((cold_values, values), dim=1)
@@ -166,16 +181,18 @@ def dequantised_by_hand(cache: KVCache, seq: SeqSlice) -> tuple[torch.Tensor, to
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 24])
-@pytest.mark.parametrize("bits", [8, 6, 4])
+@pytest.mark.parametrize("formats", list(FORMATS))
 def test_every_build_attends_to_quantised_blocks_in_place_as_dequantising_by_hand(
-    bits: int, head_dim: int, dtype: torch.dtype
+    formats: str, head_dim: int, dtype: torch.dtype
 ) -> None:
     """Quantised blocks out of order, sequences with and without them: each build gives float64
     attention over the history dequantised by hand, to float32 rounding (bf16: to bf16's, where
     the build weighs bf16 history as bf16 (AVX-512 BF16 vectors, AMX tiles) with the quantised
     blocks dequantised to bf16 rows and the probabilities rounded to bf16 first)."""
     native_kernel()
-    cache, seqs = with_quantised_history(KVShape(1, 2, head_dim, dtype), bits, seed=bits + head_dim)
+    cache, seqs = with_quantised_history(
+        KVShape(1, 2, head_dim, dtype), formats, seed=list(FORMATS).index(formats) + head_dim
+    )
     query = torch.randn(14, len(seqs), head_dim, generator=torch.Generator().manual_seed(2)).to(dtype)
     scale = head_dim**-0.5
     decodes, rest = in_place_decodes(seqs, cold=True)
@@ -312,13 +329,15 @@ def test_prompt_chunks_attended_in_place_as_attention_by_hand(head_dim: int, blo
             )
 
 
-@pytest.mark.parametrize("bits", [8, 6, 4])
-def test_prompt_chunks_attend_in_place_to_quantised_history_as_dequantising_by_hand(bits: int) -> None:
+@pytest.mark.parametrize("formats", list(FORMATS))
+def test_prompt_chunks_attend_in_place_to_quantised_history_as_dequantising_by_hand(formats: str) -> None:
     """bf16, quantised blocks out of order before the full-precision tokens (and a sequence with
     none): every in-place path (AMX tiles, AVX-512 BF16 vectors) gives float64 causal attention
     over the history dequantised by hand, to bf16 rounding; a block out of the store is refused."""
     builds = prompt_builds()
-    cache, seqs = with_quantised_history(KVShape(1, 2, 64, torch.bfloat16), bits, seed=bits)
+    cache, seqs = with_quantised_history(
+        KVShape(1, 2, 64, torch.bfloat16), formats, seed=list(FORMATS).index(formats)
+    )
     assert cache.cold is not None
     gen = torch.Generator().manual_seed(6)
     for seq in seqs:
@@ -330,11 +349,13 @@ def test_prompt_chunks_attend_in_place_to_quantised_history_as_dequantising_by_h
         seen = torch.arange(kv_len)[None, :] <= torch.arange(kv_len - q_len, kv_len)[:, None]
         scores = (q @ keys[:, None].transpose(2, 3) / 8).masked_fill(~seen, float("-inf"))
         expected = (torch.softmax(scores, dim=-1) @ values[:, None]).reshape(14, q_len, 64).transpose(0, 1)
-        cold = None if seq.cold_blocks is None else (cache.cold.layer(0), bits, seq.cold_blocks)
+        cold = (
+            None if seq.cold_blocks is None else (cache.cold.layer(0), cache.cold.parts(0), seq.cold_blocks)
+        )
         for label, kernel in builds:
             got = kernel.prefill_attention(query, cache.keys[0], cache.values[0], seq.kv_slots, 0.125, cold)
             torch.testing.assert_close(got.double(), expected, rtol=2**-7, atol=2**-7, msg=label)
-    outside = (cache.cold.layer(0), bits, torch.tensor([99]))
+    outside = (cache.cold.layer(0), cache.cold.parts(0), torch.tensor([99]))
     for _, kernel in builds:
         with pytest.raises(NativeKernelError, match="block"):
             kernel.prefill_attention(query, cache.keys[0], cache.values[0], seqs[0].kv_slots, 0.125, outside)

@@ -76,10 +76,8 @@ async def test_kv_compression_switch_changes_status_and_the_engines_memory(
     assert status["kv_compression"] is (kv == "true")
     if kv == "true":
         profile = {"quant_bits": 8, "residual_tokens": 32, "sink_tokens": 4, "keep_ratio": 1.0}
-        profile |= {
-            "int8_layers": [],
-            "int6_layers": [],
-        }  # KV_INT8_LAYERS, KV_INT6_LAYERS only matter at 4 bits
+        # KV_INT8_LAYERS, KV_INT6_LAYERS and KV_INT6_PARTS only matter at 4 bits
+        profile |= {"int8_layers": [], "int6_layers": [], "int6_parts": []}
         reader = status["kv_profile"].pop("reader")
         assert reader == engine.stats().kv_reader and reader.startswith(("native-", "torch"))
         assert status["kv_profile"] == profile | {"prune_policy": "attention"}
