@@ -201,30 +201,23 @@ static void row_simd(const kv_layer *l, int64_t r, void *out, int64_t o) {
             }
         return;
     }
-    int64_t half = l->dim / 2;
-    if (bits == 6) {
-        int64_t width = l->dim * 3 / 4, quarter = l->dim / 4;
-        const uint8_t *row = codes;
-        for (int64_t t = 0; t < l->block; t++)
-            for (int64_t d = 0; d < half; d += LANES) {
-                params_v(l, r, t, d, &s, &b);
-                params_v(l, r, t, d + half, &s2, &b2);
-                vint c = v_widen_uint8(row + t * width + d);
-                vint top = v_widen_uint8(row + t * width + half + d % quarter);
-                int shift = (int)(2 * (d / quarter));
-                store_v(out, o + t * l->dim + d, v_fmadd(v_six(c, 0, top, shift), s, b), l->fp32);
-                store_v(out, o + t * l->dim + d + half, v_fmadd(v_six(c, 1, top, shift + 4), s2, b2), l->fp32);
-            }
-        return;
-    }
+    /* 4-bit codes: nibbles of channels d and d + half in byte d; 6-bit: those nibbles, then the top
+     * two bits of channel j + q * quarter in byte half + j at bit 2q */
+    int64_t half = l->dim / 2, quarter = l->dim / 4, width = bits == 6 ? l->dim * 3 / 4 : half;
     const uint8_t *row = codes;
     for (int64_t t = 0; t < l->block; t++)
         for (int64_t d = 0; d < half; d += LANES) {
             params_v(l, r, t, d, &s, &b);
             params_v(l, r, t, d + half, &s2, &b2);
-            vint c = v_widen_uint8(row + t * half + d);
-            store_v(out, o + t * l->dim + d, v_fmadd(v_nibble(c, 0), s, b), l->fp32);
-            store_v(out, o + t * l->dim + d + half, v_fmadd(v_nibble(c, 1), s2, b2), l->fp32);
+            vint c = v_widen_uint8(row + t * width + d);
+            vfloat low = v_nibble(c, 0), high = v_nibble(c, 1);
+            if (bits == 6) {
+                vint top = v_widen_uint8(row + t * width + half + d % quarter);
+                int shift = (int)(2 * (d / quarter));
+                low = v_six(c, 0, top, shift), high = v_six(c, 1, top, shift + 4);
+            }
+            store_v(out, o + t * l->dim + d, v_fmadd(low, s, b), l->fp32);
+            store_v(out, o + t * l->dim + d + half, v_fmadd(high, s2, b2), l->fp32);
         }
 }
 #endif
