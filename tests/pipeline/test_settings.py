@@ -16,9 +16,15 @@ def test_reads_the_articles_switches_from_the_environment(monkeypatch: pytest.Mo
     assert (settings.dynamic_batching, settings.kv_compression, settings.max_batch_size) == (True, True, 6)
 
 
-def test_int8_layers_are_read_as_a_comma_separated_list(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_int8_layers_int6_layers_and_int6_parts_are_read_as_comma_separated_lists(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("KV_INT8_LAYERS", "16, 9,11")
-    assert load_settings().kv_int8_layers == (9, 11, 16)
+    monkeypatch.setenv("KV_INT6_LAYERS", "3,1")
+    monkeypatch.setenv("KV_INT6_PARTS", "11.1.v, 2.0.k")
+    settings = load_settings()
+    assert settings.kv_int8_layers == (9, 11, 16) and settings.kv_int6_layers == (1, 3)
+    assert settings.kv_int6_parts == ("2.0.k", "11.1.v")
 
 
 def test_defaults_match_the_article(monkeypatch: pytest.MonkeyPatch) -> None:
