@@ -59,6 +59,7 @@ from bench.kv_calibration import (
     round_trip_errors,
 )
 from bench.kv_fake import Codebooks, Format, HotChannels, bytes_ratio, counted_ratio, head_size, logprobs
+from engine.config import kv_part
 from engine.loader import select_dtype
 
 CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
@@ -89,11 +90,14 @@ SIX_BIT_PARTS = (
 
 def parts_format(parts: tuple[str, ...], kv_heads: int = 2) -> Format:
     """int4 with `parts` ("layer.head.k" or "layer.head.v") at 6 bits, as KV_INT6_PARTS stores them."""
-    named = {(int(layer), int(head), kind) for layer, head, kind in (part.split(".") for part in parts)}
+    named = set(map(kv_part, parts))
     layers = {layer for layer, _, _ in named}
     return Format(
         head_bits={
-            (layer, head): (6 if (layer, head, "k") in named else 4, 6 if (layer, head, "v") in named else 4)
+            (layer, head): (
+                6 if (layer, head, False) in named else 4,
+                6 if (layer, head, True) in named else 4,
+            )
             for layer in layers
             for head in range(kv_heads)
         }

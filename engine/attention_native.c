@@ -103,21 +103,9 @@ static inline void codes_f32(const cold_layer *c, int values, int64_t r, int64_t
 
 /* Whether a quantised layer's heads lie in its blocks as this file reads them (see cold_layer). */
 static int cold_ok(const cold_layer *c, int64_t kv_heads, int64_t dim) {
-    if (c->kv_heads != kv_heads || kv_heads < 1)
-        return 0;
-    for (int values = 0; values < 2; values++) {
-        const int64_t *bits = values ? c->value_bits : c->key_bits, *starts = values ? c->value_starts : c->key_starts;
-        int64_t end = 0, stride = values ? c->value_stride : c->key_stride;
-        for (int64_t h = 0; h < kv_heads; h++) {
-            int64_t b = bits[h];
-            if ((b != 8 && b != 6 && b != 4) || (b == 4 && dim % 2) || (b == 6 && dim % 4) || starts[h] < end)
-                return 0;
-            end = starts[h] + c->block * dim * b / 8;
-        }
-        if (end > stride)
-            return 0;
-    }
-    return 1;
+    return c->kv_heads == kv_heads &&
+           kv_parts_ok(kv_heads, c->key_bits, c->key_starts, c->key_stride, c->block, dim) &&
+           kv_parts_ok(kv_heads, c->value_bits, c->value_starts, c->value_stride, c->block, dim);
 }
 
 static inline float param(const void *base, int64_t i, int fp32) {

@@ -17,6 +17,13 @@ KVKernel = Literal["auto", "torch", "avx512", "avx2", "portable"]
 PromptAttention = Literal["auto", "torch"]
 
 
+def kv_part(name: str) -> tuple[int, int, bool]:
+    """A KV part named "layer.head.k" (its keys) or "layer.head.v" (its values): (layer, KV head,
+    values?)."""
+    layer, head, kind = name.split(".")
+    return int(layer), int(head), kind == "v"
+
+
 class EngineOptions(BaseModel):
     """The engine's knobs an operator sets (each one an environment variable of the service, named
     after its field): validated here, once, wherever they come from."""
@@ -166,13 +173,12 @@ class EngineOptions(BaseModel):
             raise ValueError(f"{wrong}: parts are layer.head.k or layer.head.v, e.g. 16.0.k,11.1.v")
         if len(set(value)) != len(value):
             raise ValueError("parts are named once each")
-        return tuple(sorted(value, key=lambda part: (int(part.split(".")[0]), int(part.split(".")[1]), part)))
+        return tuple(sorted(value, key=kv_part))
 
     @property
     def int6_parts(self) -> dict[tuple[int, int, bool], int]:
         """KV_INT6_PARTS as (layer, KV head, values?) -> 6."""
-        named = (part.split(".") for part in self.kv_int6_parts)
-        return {(int(layer), int(head), kind == "v"): 6 for layer, head, kind in named}
+        return dict.fromkeys(map(kv_part, self.kv_int6_parts), 6)
 
     @property
     def pruning(self) -> bool:

@@ -16,4 +16,18 @@ static inline int kv_code6(const uint8_t *token, int64_t dim, int64_t d) {
     return low | (((token[half + d % quarter] >> (2 * (d / quarter))) & 3) << 4);
 }
 
+/* Whether kv_heads heads' codes in these bits, from these starts, fit `stride` bytes a block of
+ * `block` tokens of `dim` channels: each head's codes inside the block, none overlapping. */
+static inline int kv_parts_ok(int64_t kv_heads, const int64_t *bits, const int64_t *starts, int64_t stride,
+                              int64_t block, int64_t dim) {
+    int64_t end = 0;
+    for (int64_t h = 0; h < kv_heads; h++) {
+        int64_t b = bits[h];
+        if ((b != 8 && b != 6 && b != 4) || (b == 4 && dim % 2) || (b == 6 && dim % 4) || starts[h] < end)
+            return 0;
+        end = starts[h] + block * dim * b / 8;
+    }
+    return kv_heads > 0 && end <= stride;
+}
+
 #endif /* KV_CODES_H */

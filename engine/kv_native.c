@@ -225,27 +225,13 @@ static void row_simd(const kv_layer *l, int64_t r, void *out, int64_t o) {
 /* The instruction set the rows are read with: "avx512-bf16", "avx2" or "generic". */
 const char *kv_native_isa(void) { return KV_AVX512 ? "avx512-bf16" : KV_AVX2 ? "avx2" : "generic"; }
 
-/* Whether a layer of kv_heads heads in these bits, at these starts, fits `stride` bytes a block
- * of `block` tokens of `dim` channels: each head's codes inside the block, none overlapping. */
-static int layout_ok(int64_t kv_heads, const int64_t *bits, const int64_t *starts, int64_t stride, int64_t block,
-                     int64_t dim) {
-    int64_t end = 0;
-    for (int64_t h = 0; h < kv_heads; h++) {
-        int64_t b = bits[h];
-        if ((b != 8 && b != 6 && b != 4) || (b == 4 && dim % 2) || (b == 6 && dim % 4) || starts[h] < end)
-            return 0;
-        end = starts[h] + block * dim * b / 8;
-    }
-    return kv_heads > 0 && end <= stride;
-}
-
 /* out[i] = row rows[i] of the layer (of num_rows = blocks * kv_heads), dequantised: out is
  * [n][block][dim]. Returns 0, or -1 (and writes nothing) when a row is out of range or the layout
  * is not one kv_native.c reads. */
 int kv_dequantize_rows(const void *codes, const void *scale, const void *offset, int64_t kv_heads,
                        const int64_t *bits, const int64_t *starts, int64_t stride, int per_token, int fp32,
                        int64_t block, int64_t dim, int64_t num_rows, const int64_t *rows, int64_t n, void *out) {
-    if (!layout_ok(kv_heads, bits, starts, stride, block, dim))
+    if (!kv_parts_ok(kv_heads, bits, starts, stride, block, dim))
         return -1;
     for (int64_t i = 0; i < n; i++)
         if (rows[i] < 0 || rows[i] >= num_rows)

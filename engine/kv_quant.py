@@ -142,11 +142,15 @@ class LayerFormat:
         """Bytes of one block's codes, every head's keys (values)."""
         return block_size * sum(f.code_dim(head_dim) for f in self.parts(values))
 
-    def layout(self, values: bool, head_dim: int, block_size: int) -> Parts:
+    def starts(self, values: bool, head_dim: int, block_size: int) -> list[int]:
+        """The byte each head's keys (values) start at within a block."""
         widths = [block_size * f.code_dim(head_dim) for f in self.parts(values)]
-        starts = [sum(widths[:head]) for head in range(len(widths))]
+        return [sum(widths[:head]) for head in range(len(widths))]
+
+    def layout(self, values: bool, head_dim: int, block_size: int) -> Parts:
         bits = torch.tensor([f.bits for f in self.parts(values)], dtype=torch.long)
-        return Parts(bits, torch.tensor(starts, dtype=torch.long), sum(widths))
+        starts = torch.tensor(self.starts(values, head_dim, block_size), dtype=torch.long)
+        return Parts(bits, starts, self.code_bytes(values, head_dim, block_size))
 
     def bytes_per_block(self, head_dim: int, block_size: int, scale_bytes: int) -> int:
         """Exact bytes of one block in this layer, every KV head, keys and values: the codes, each
@@ -180,8 +184,8 @@ def head_codes(codes: torch.Tensor, fmt: LayerFormat, head: int, values: bool, h
     a block), viewed in its format's storage dtype."""
     part = fmt.parts(values)[head]
     width = part.code_dim(head_dim)
-    block_size = codes.shape[-1] // (fmt.code_bytes(values, head_dim, 1))
-    start = block_size * sum(f.code_dim(head_dim) for f in fmt.parts(values)[:head])
+    block_size = codes.shape[-1] // fmt.code_bytes(values, head_dim, 1)
+    start = fmt.starts(values, head_dim, block_size)[head]
     section = codes[..., start : start + block_size * width]
     return section.view(*section.shape[:-1], block_size, width).view(part.storage_dtype)
 
