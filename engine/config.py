@@ -227,6 +227,10 @@ class SamplingParams:
     json_schema: str | None = None  # constrain the output to JSON valid under this schema (xgrammar)
     stop: tuple[str, ...] = ()  # finish when the text contains one of these; it is cut from the result
     forced_ids: tuple[int, ...] = ()  # teacher forcing (evaluation): emit these tokens, in order
+    # Tokens whose logits an observer sees as the output head's product in fp32 rather than rounded
+    # to the model's dtype (bf16 rounds a logit near 20 to 1/8): label scores compare a few words,
+    # and rounded, a sixth of documents tied exactly between yes and no (`engine.scoring`).
+    exact_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

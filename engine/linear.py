@@ -28,12 +28,16 @@ _MADV_PAGEOUT = 21  # Linux >= 5.4: reclaim these pages now (contents kept: they
 class PackedLinear(nn.Module):
     """`nn.Linear`'s product with the weight held in oneDNN's layout (fp32 or bf16, CPU)."""
 
-    def __init__(self, linear: nn.Linear, batch_hint: int = BATCH_HINT) -> None:
+    def __init__(self, linear: nn.Linear, batch_hint: int = BATCH_HINT, keep_rows: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
         self.bias = None if linear.bias is None else linear.bias.detach()
+        # The output head's plain weight, for the few rows recomputed in fp32 (`engine.runner.
+        # exact_head`): the loaded weights are mapped from their files, so holding it keeps file
+        # pages (read back a row at a time), not a copy.
+        self.rows = weight if keep_rows else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -112,7 +116,8 @@ def pack_linears(
     setattr(*targets[0], first)
     del first
     for parent, name in targets[1:]:  # one at a time: each plain weight is freed before the next
-        setattr(parent, name, PackedLinear(getattr(parent, name)))
+        head = parent is model and name == "lm_head" and dtype != torch.float32
+        setattr(parent, name, PackedLinear(getattr(parent, name), keep_rows=head))
         release_freed_heap()  # at once, or the peak holds both copies of most weights
     log.info("packed %d linear weights for oneDNN (%s)", len(targets), str(dtype).removeprefix("torch."))
     if weights_folder is not None:

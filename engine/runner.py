@@ -4,7 +4,9 @@ Owns every tensor of a step. The step's layout (`StepBatch`) travels as a forwar
 registered paged attention function; `logits_to_keep` selects the last token of each chunk that
 samples, and each of its draft tokens (speculative decoding: verified here against the greedy
 choice). Sampling (greedy or temperature/top-p with a per-request seed) runs on fp32 logits after
-the grammar mask. Runs on the engine's worker thread; returns tokens, mutates no scheduler state.
+the grammar mask. A request's `exact_ids` get their logits recomputed in fp32 from the head's input
+(the final hidden state) where the head is a plain product (`exact_head`). Runs on the engine's
+worker thread; returns tokens, mutates no scheduler state.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ class ModelRunner:
         self.vocab_size = int(self.model.config.vocab_size)
         self.layers: Seq[torch.nn.Module] = self.model.get_decoder().layers
         self.num_layers = len(self.layers)
+        self.head = self.model.get_output_embeddings()
+        self.exact = exact_head(self.model)
         self._grammar: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()  # the engine thread and a preparing thread may race
 
@@ -95,6 +99,7 @@ class ModelRunner:
         seqs: list[SeqSlice] = []
         last_rows: list[int] = []  # rows whose logits are kept
         tap_rows: list[int] = []  # per sampling chunk, the row of its own last token
+        exact: list[tuple[int, tuple[int, ...]]] = []  # (logits row, token ids) recomputed in fp32
         step_scores: dict[int, torch.Tensor] = {}
         observed: dict[int, int] = {}  # first row of a chunk to score -> its sequence
         for chunk in plan:
@@ -121,6 +126,8 @@ class ModelRunner:
             )
             if chunk.samples:
                 tap_rows.append(len(ids) - 1 - len(chunk.draft))
+                if seq.request.params.exact_ids and self.exact is not None:
+                    exact.append((len(last_rows), seq.request.params.exact_ids))
                 last_rows += range(tap_rows[-1], len(ids))
         # Decodes without a sliding window share one padded attention call per layer.
         sliding = getattr(self.model.config, "sliding_window", None) and getattr(
@@ -143,6 +150,9 @@ class ModelRunner:
         hooks = _HiddenTaps(
             self.layers, [(row, h) for row, h in zip(tap_rows, sampling, strict=True) if h is not None]
         )
+        heads: list[torch.Tensor] = []  # the head's input (1, S, H), when a row asks for exact logits
+        if exact:
+            hooks.handles.append(self.head.register_forward_hook(lambda _m, args, _o: heads.append(args[0])))
         try:
             out = self.model(
                 input_ids=torch.tensor([ids], device=self.device),  # (1, T)
@@ -156,6 +166,14 @@ class ModelRunner:
         if scores is not None:
             scores.update({observed[start]: value.cpu() for start, value in step_scores.items()})
         logits: torch.Tensor = out.logits[0].float()  # (S, V): one row per sampling chunk
+        if exact and self.exact is not None:
+            weight, bias = self.exact
+            for row, wanted in exact:
+                index = torch.tensor(wanted, dtype=torch.long, device=weight.device)
+                value = weight.index_select(0, index).float() @ heads[0][0, row].float().to(weight.device)
+                if bias is not None:
+                    value += bias.index_select(0, index).float()
+                logits[row, index.to(logits.device)] = value.to(logits.device)
         return logits
 
     def _sample(self, logits: torch.Tensor, chunks: list[Chunk]) -> list[tuple[int, ...]]:
@@ -218,6 +236,28 @@ class ModelRunner:
         if taken:
             seq.matcher.rollback(taken)
         return rows
+
+
+def exact_head(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The output head's weight and bias where its logits are its input times them, rounded to a
+    narrower dtype than fp32, and nothing more: a plain `nn.Linear`, or a packed head that kept
+    its plain rows (`engine.linear.PackedLinear`); None for an fp32 head (nothing is rounded), a
+    quantised one, or a model that scales or caps its logits after the head."""
+    from engine.linear import PackedLinear
+
+    config = getattr(model, "config", None)
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
+        return None
+    head = model.get_output_embeddings()  # type: ignore[operator]
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    if type(head) is torch.nn.Linear:
+        weight, bias = head.weight, head.bias
+    elif isinstance(head, PackedLinear) and head.rows is not None:
+        weight, bias = head.rows, head.bias
+    else:
+        return None
+    return None if weight.dtype == torch.float32 else (weight, bias)
 
 
 class _HiddenTaps:

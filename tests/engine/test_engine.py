@@ -15,6 +15,7 @@ import torch
 from engine import Engine, EngineConfig, EngineError, GenerationResult, SamplingParams
 from engine.linear import pack_linears
 from engine.loader import LoadedModel
+from engine.scoring import distinguishing_length
 from engine.selftest import recompute as reference
 from engine.selftest import stock_attention
 from engine.tiny import build_tiny
@@ -377,6 +378,49 @@ async def test_hidden_states_equal_a_direct_forward_pass_while_others_batch(tiny
         got = [norm(s.to(tiny.device)).cpu() if i % layers == layers - 1 else s for i, s in enumerate(seen)]
     assert all(g.shape == (int(tiny.model.config.hidden_size),) for g in got)
     assert all(torch.allclose(g, e, atol=1e-4) for g, e in zip(got, expected, strict=True))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+async def test_scored_tokens_read_the_heads_product_in_fp32_not_rounded_to_bf16(
+    packed: bool, test_device: torch.device
+) -> None:
+    # In bf16 the head's output is rounded (to 1/8 near 20), so two label words' scores tie exactly
+    # on many documents; the tokens a request names in exact_ids are recomputed from the head's
+    # input in fp32: equal to the weight rows times the final hidden state, the rest of the row
+    # unchanged, and rounded back, the bf16 logits (a plain head, and the packed head as the
+    # loader packs it on a CPU).
+    loaded = build_tiny("qwen2", dtype=torch.bfloat16, device=test_device)
+    model = loaded.model
+    weight = model.lm_head.weight.detach().clone()
+    if packed and pack_linears(model, test_device, torch.bfloat16) == 0:
+        pytest.skip(f"nothing is packed on {test_device}")
+    config = EngineConfig(model_path=Path("unused"), dtype="bfloat16", kv_cache_bytes=1 << 24)
+    words = ["positive", "negative", "yes", "no"]
+    asked = tuple(dict.fromkeys(loaded.tokenizer.encode(w, add_special_tokens=False)[0] for w in words))
+    layers = int(model.config.num_hidden_layers)
+    async with Engine(config, loaded) as engine:
+        for text in PROMPTS[:3]:
+            prompt = engine.format_chat([{"role": "user", "content": text}])
+            (rounded,) = await engine.observe(prompt, SamplingParams(max_new_tokens=1))
+            (exact,) = await engine.observe(prompt, SamplingParams(max_new_tokens=1, exact_ids=asked))
+            hidden = await engine.hidden(prompt, layers)
+            with torch.inference_mode():
+                final = model.get_decoder().norm(hidden.to(device=test_device, dtype=torch.bfloat16))
+                expected = (weight[list(asked)].float() @ final.float()).cpu()
+            index = torch.tensor(asked)
+            assert torch.allclose(exact[index], expected, atol=1e-4)
+            others = torch.ones_like(rounded, dtype=torch.bool)
+            others[index] = False
+            assert torch.equal(exact[others], rounded[others])
+            assert torch.equal(exact[index].bfloat16().float(), rounded[index])
+            assert (exact[index] - rounded[index]).abs().max() > 1e-4  # the rounding is really gone
+            scores = await engine.score(prompt, words)
+            logprobs = torch.log_softmax(exact, dim=-1)
+            encoded = [loaded.tokenizer.encode(w, add_special_tokens=False) for w in words]
+            singles = [i for i, ids in enumerate(encoded) if distinguishing_length(ids, encoded) == 1]
+            assert singles  # options scored by their first token alone
+            firsts = [ids[0] for ids in encoded]
+            assert all(scores[i] == pytest.approx(float(logprobs[firsts[i]]), abs=1e-5) for i in singles)
 
 
 async def test_scoring_an_empty_option_is_refused(tiny: LoadedModel) -> None:
