@@ -87,6 +87,17 @@ SIX_BIT_PARTS = (
     "21.1.v", "22.0.k", "22.0.v", "22.1.k", "22.1.v", "23.1.k", "23.1.v",
 )  # fmt: skip
 
+# The same bytes allocated over costs swept along the service's answers instead (`python -m
+# bench.kv_heads --sweep-along analysis --calibration-docs 16 --calibration-real 8 --sweep-dtype
+# bfloat16 --sweep-tokens 96 --alloc 4,6`, kv-heads-cpu-analysis-sweep-bf16.json: 24 documents none
+# of the evaluations read, the engine's JSON answers forced 96 tokens).
+SIX_BIT_PARTS_ANSWERS = (
+    "0.0.k", "0.0.v", "0.1.k", "0.1.v", "1.0.k", "1.0.v", "1.1.k", "1.1.v", "2.0.k", "2.0.v", "2.1.k", "2.1.v",
+    "3.0.k", "3.0.v", "3.1.v", "4.1.v", "5.0.k", "5.0.v", "6.0.v", "7.1.k", "7.1.v", "9.1.k", "9.1.v", "10.1.k",
+    "11.0.k", "11.0.v", "11.1.k", "11.1.v", "13.0.k", "13.0.v", "13.1.k", "13.1.v", "14.1.k", "14.1.v", "16.0.k",
+    "16.0.v", "16.1.k", "20.1.k", "21.0.k", "22.1.k",
+)  # fmt: skip
+
 
 def parts_format(parts: tuple[str, ...], kv_heads: int = 2) -> Format:
     """int4 with `parts` ("layer.head.k" or "layer.head.v") at 6 bits, as KV_INT6_PARTS stores them."""

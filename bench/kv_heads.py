@@ -20,11 +20,24 @@ Two steps:
    engine's profile (`int4+int8@5layers-w0`) against int4 with the `--parts` costliest parts at 8
    bits, no window, the sink block, in one run.
 
+`--sweep-along analysis` sweeps where the service writes instead: each calibration document's
+narrative prompt naming the polarity the service's labels decided, then the first `--sweep-tokens`
+of the service's own answer (JSON under its schema), both made by the engine uncompressed
+(`bench.kv_quality`'s analysis pass and forcing, what its KL is measured along); the calibration
+documents are then evenly spaced ones of `bench/data/corpus.jsonl` (generated like the KV corpus,
+none of its documents) and, with `--calibration-real`, the real data's development split
+(`bench.real_data.development`, disjoint from the sample `bench.kv_quality --real` evaluates).
+`--alloc-only` prints each allocation's parts at 6 (and 8) bits, as `KV_INT6_PARTS` names them, and
+evaluates nothing.
+
     python -m bench.kv_heads --docs 12 --parts 16,20,24 --out bench/results/kv-heads-cpu.json
+    python -m bench.kv_heads --sweep-along analysis --calibration-docs 12 --calibration-real 4 \
+        --sweep-dtype bfloat16 --sweep-tokens 64 --alloc 4,6 --alloc-only --out bench/results/kv-heads-analysis.json
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import platform
 import statistics
@@ -54,6 +67,7 @@ from bench.kv_fake import (
 from bench.kv_formats import FORMATS, continuations
 
 PROFILE = "int4+int8@5layers-w0"
+GENERATED = Path(__file__).parent / "data" / "corpus.jsonl"
 
 Part = tuple[int, int, str]  # (layer, KV head, "keys" | "values")
 
@@ -123,6 +137,56 @@ def _continue(model: Any, cache: Any, rest: torch.Tensor, last: torch.Tensor) ->
     logits = model(input_ids=rest, cache=cache, use_cache=True).logits[0]
     cache.crop(-rest.shape[1])
     return torch.log_softmax(torch.cat((last, logits)).float(), dim=-1)
+
+
+def analysis_sequences(
+    model_path: Path, dtype: str, docs: list[dict[str, Any]], tokens: int
+) -> list[tuple[torch.Tensor, int]]:
+    """Each document's narrative prompt naming the polarity the service's labels decided, followed by
+    the first `tokens` of the service's answer, both from the engine uncompressed."""
+    from bench.kv_quality import analysis_forcing, analysis_pass
+    from engine import Engine, EngineConfig
+    from engine.loader import load_model
+
+    loaded = load_model(model_path, dtype=dtype)
+    config = EngineConfig(
+        model_path=Path("bench"), dynamic_batching=True, max_batch_size=16, kv_cache_bytes=1 << 30,
+        prefix_caching=True,
+    )  # fmt: skip
+    engine = Engine(config, loaded)
+
+    async def answers() -> list[tuple[list[int], list[int]]]:
+        async with engine:
+            results, _ = await analysis_pass(engine, docs)
+            return analysis_forcing(engine, docs, results, tokens)
+
+    return [(torch.tensor([*prompt, *answer]), len(prompt)) for prompt, answer in asyncio.run(answers())]
+
+
+def sweep_documents(evaluated: list[dict[str, Any]], along: str, n: int, real: int) -> list[dict[str, Any]]:
+    """The calibration documents: for continuations, `n` corpus documents not evaluated; along the
+    service's answers, `n` of the generated corpus the KV evaluation never reads and `real` of the
+    real data's development split (a quarter per language and label, as `bench.kv_quality --real`)."""
+    if along == "continuation":
+        return calibration_documents(evaluated, n)
+    from bench import real_data
+    from bench.kv_quality import real_documents
+
+    generated = [json.loads(line) for line in GENERATED.read_text(encoding="utf-8").splitlines()]
+    fitted = [generated[(2 * i + 1) * len(generated) // (2 * n)] for i in range(n)]
+    if real:
+        rows = [row for row in real_data.development(4 * real) if row.polarity != "neutral"]
+        fitted += [doc | {"document_id": doc["document_id"].replace("real-", "dev-")}
+                   for doc in real_documents(rows, real)]  # fmt: skip
+    return fitted
+
+
+def six_bit_parts(fmt: Format, parts: list[Part], bits: int = 6) -> tuple[str, ...]:
+    """The parts `fmt` holds at `bits`, named as KV_INT6_PARTS names them ("16.0.k")."""
+    return tuple(
+        f"{layer}.{head}.{kind[0]}" for layer, head, kind in sorted(parts)
+        if fmt.bits(layer, head)[kind == "values"] == bits
+    )  # fmt: skip
 
 
 def costliest(costs: dict[Part, float], n: int) -> Format:
@@ -207,6 +271,19 @@ def main() -> None:
     parser = common.parser(__doc__)
     parser.add_argument("--docs", type=int, default=12, help="evenly spaced corpus documents evaluated")
     parser.add_argument("--calibration-docs", type=int, default=6, help="corpus documents the sweep runs on")
+    parser.add_argument(
+        "--sweep-along", choices=("continuation", "analysis"), default="continuation",
+        help="the model's greedy continuations of narrative prompts, or the service's answers (see above)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--calibration-real",
+        type=int,
+        default=0,
+        help="with --sweep-along analysis: real development documents",
+    )
+    parser.add_argument(
+        "--alloc-only", action="store_true", help="print the allocations' parts; evaluate nothing"
+    )
     parser.add_argument("--tf-tokens", type=int, default=96, help="continuation tokens the evaluation forces")
     parser.add_argument("--sweep-tokens", type=int, default=32, help="continuation tokens the sweep forces")
     parser.add_argument("--sweep-dtype", choices=("bfloat16", "float32"), default="float32")
@@ -238,7 +315,7 @@ def main() -> None:
         return model
 
     docs = load_corpus(args.docs)
-    fitted = calibration_documents(docs, args.calibration_docs)
+    fitted = sweep_documents(docs, args.sweep_along, args.calibration_docs, args.calibration_real)
     began = time.perf_counter()
     if args.costs:
         earlier = json.loads(args.costs.read_text())
@@ -247,7 +324,11 @@ def main() -> None:
         costs = {(c["layer"], c["head"], c["part"]): c["kl"] for c in earlier["part_costs"]}
     else:
         sweeper = load(args.sweep_dtype)
-        costs = part_costs(sweeper, continuations(sweeper, tokenizer, fitted, args.sweep_tokens))
+        if args.sweep_along == "analysis":
+            seqs = analysis_sequences(args.model, args.dtype, fitted, args.sweep_tokens)
+        else:
+            seqs = continuations(sweeper, tokenizer, fitted, args.sweep_tokens)
+        costs = part_costs(sweeper, seqs)
         del sweeper
     sweep_s = time.perf_counter() - began
     ranked = sorted(costs, key=costs.__getitem__, reverse=True)
@@ -258,11 +339,10 @@ def main() -> None:
         )
     )
 
-    model = load(args.dtype)
-    config = model.config
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(args.model)
     layers, kv_heads, head_dim = config.num_hidden_layers, config.num_key_value_heads, head_size(config)
-    seqs = continuations(model, tokenizer, docs, args.tf_tokens)
-    reference = [logprobs(model, ids, n, Format(quantise=False)) for ids, n in seqs]
     candidates = [(PROFILE, 2 * kv_heads * len(FORMATS[PROFILE].layer_bits), FORMATS[PROFILE])]
     candidates += [(f"int4+int8@{n}parts-w0", n, costliest(costs, n)) for n in counts]
     every = [
@@ -279,6 +359,15 @@ def main() -> None:
         held = [fmt.bits(layer, head)[kind == "values"] for layer, head, kind in every]
         name = f"alloc{{{','.join(map(str, widths))}}}{'@' + by if by else ''}-w0"
         candidates.append((name, held.count(8), fmt))
+        for bits in sorted({b for b in held if b > 4}):
+            console.print(f"{name}, {bits} bits: {','.join(six_bit_parts(fmt, every, bits))}")
+    if args.alloc_only:
+        write(args, docs, fitted, costs, sweep_s, [], candidates)
+        console.print(f"wrote {args.out}")
+        return
+    model = load(args.dtype)
+    seqs = continuations(model, tokenizer, docs, args.tf_tokens)
+    reference = [logprobs(model, ids, n, Format(quantise=False)) for ids, n in seqs]
     results: list[Evaluated] = []
     for name, n, fmt in candidates:
         start = time.perf_counter()

@@ -50,7 +50,7 @@ from rich.table import Table
 
 from bench import common, real_data
 from bench.kv_forced import Forcing, Reference, continuation_forcing, reference_pass, teacher_forced_pass
-from bench.kv_formats import SENSITIVE, SIX_BIT_LAYERS, SIX_BIT_PARTS
+from bench.kv_formats import SENSITIVE, SIX_BIT_LAYERS, SIX_BIT_PARTS, SIX_BIT_PARTS_ANSWERS
 from engine import Engine, EngineConfig, SamplingParams
 from engine.kv_cache import ColdStore, KVShape
 from engine.loader import LoadedModel, load_model
@@ -97,6 +97,13 @@ PROFILES: dict[str, dict[str, Any]] = {
         "kv_compression": True,
         "kv_quant_bits": 4,
         "kv_int6_parts": SIX_BIT_PARTS,
+        "kv_residual_tokens": 0,
+    },
+    # The same bytes, the forty parts allocated along the service's answers (SIX_BIT_PARTS_ANSWERS).
+    "int4+int6@40answers-w0": {
+        "kv_compression": True,
+        "kv_quant_bits": 4,
+        "kv_int6_parts": SIX_BIT_PARTS_ANSWERS,
         "kv_residual_tokens": 0,
     },
     "int4+prune-0.7": {"kv_compression": True, "kv_quant_bits": 4, "kv_keep_ratio": 0.7},
@@ -290,6 +297,7 @@ def reference_key(args: Any, loaded: LoadedModel, docs: list[dict[str, Any]]) ->
         "prefix_caching": args.prefix_caching,
         "reference_pass": "teacher-forced",  # references recorded while generating no longer match
         "forced": args.forced,
+        "label_scores": "fp32 head rows",  # scored words' logits no longer rounded to bf16 (engine.scoring)
     }  # fmt: skip
 
 

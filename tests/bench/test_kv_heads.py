@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from bench.kv_fake import BLOCK, Format, bytes_ratio
-from bench.kv_formats import FORMATS, MIXED, MIXED6_PARTS, SIX_BIT_PARTS
-from bench.kv_heads import allocate, costliest, held_bytes, part_costs
+from bench.kv_formats import FORMATS, MIXED, SIX_BIT_PARTS, SIX_BIT_PARTS_ANSWERS, parts_format
+from bench.kv_heads import allocate, costliest, held_bytes, part_costs, six_bit_parts, sweep_documents
 from engine.tiny import build_tiny
 
 
@@ -79,19 +79,48 @@ def test_more_widths_never_cost_more_in_the_model_and_the_budget_holds() -> None
         allocate(costs, (4, 8), held_bytes(Format(), list(costs), 64) - 1, 64)
 
 
-def test_the_engines_six_bit_parts_are_the_allocation_over_the_committed_sweep() -> None:
-    """SIX_BIT_PARTS (KV_INT6_PARTS of int4+int6@40parts) is what `allocate` gives for widths 4 and 6
-    within the profile's bytes over kv-heads-cpu-24docs-bf16.json's part costs, and the search's
-    format of those parts holds those bytes."""
-    sweep = json.loads((Path("bench/results") / "kv-heads-cpu-24docs-bf16.json").read_text())
-    costs = {(c["layer"], c["head"], c["part"]): c["kl"] for c in sweep["part_costs"]}
+SWEPT = [
+    ("kv-heads-cpu-24docs-bf16.json", SIX_BIT_PARTS),
+    ("kv-heads-cpu-analysis-sweep-bf16.json", SIX_BIT_PARTS_ANSWERS),
+]
+
+
+@pytest.mark.parametrize(("sweep", "parts"), SWEPT)
+def test_each_parts_list_is_the_allocation_over_its_sweep(sweep: str, parts: tuple[str, ...]) -> None:
+    """The parts a profile names at 6 bits (KV_INT6_PARTS of int4+int6@40parts and @40answers) are
+    what `allocate` gives for widths 4 and 6 within the profile's bytes over the committed sweep
+    they cite, and the search's format of them holds the profile's bytes."""
+    swept = json.loads((Path("bench/results") / sweep).read_text())
+    costs = {(c["layer"], c["head"], c["part"]): c["kl"] for c in swept["part_costs"]}
     budget = held_bytes(FORMATS["int4+int8@5layers-w0"], list(costs), 64)
     allocated = allocate(costs, (4, 6), budget, 64)
-    six = {
-        f"{layer}.{head}.{kind[0]}"
-        for layer, head, kind in costs
-        if allocated.bits(layer, head)[kind == "values"] == 6
+    named = six_bit_parts(allocated, list(costs))
+    assert len(named) == len(parts) and set(named) == set(parts)
+    assert held_bytes(parts_format(parts), list(costs), 64) == budget
+    assert bytes_ratio(parts_format(parts), 24, 64, kv_heads=2) == pytest.approx(bytes_ratio(MIXED, 24, 64))
+
+
+def test_parts_named_at_6_bits_are_the_format_the_engine_would_store() -> None:
+    costs = _costs()
+    budget = held_bytes(costliest(costs, 20), list(costs), 64)
+    allocated = allocate(costs, (4, 6), budget, 64)
+    named = six_bit_parts(allocated, list(costs))
+    assert named and all(part.count(".") == 2 and part[-1] in "kv" for part in named)
+    stored = parts_format(named)
+    assert all(stored.bits(layer, head) == allocated.bits(layer, head) for layer, head, _ in costs)
+
+
+def test_the_sweep_along_answers_reads_none_of_the_documents_the_evaluation_reads() -> None:
+    """Calibration along the service's answers: the generated corpus' documents (not the KV corpus)
+    and the real development split, disjoint from `bench.kv_quality --real`'s sample."""
+    from bench import real_data
+    from bench.kv_quality import load_corpus, real_documents
+
+    evaluated = load_corpus(None) + real_documents(real_data.sample(300), 80)
+    fitted = sweep_documents(evaluated, "analysis", 16, 8)
+    assert len(fitted) == 24 and len({d["document_id"] for d in fitted}) == 24
+    assert not {d["text"] for d in fitted} & {d["text"] for d in evaluated}
+    assert not {d["document_id"] for d in fitted} & {d["document_id"] for d in evaluated}
+    assert {(d["kind"], d["language"]) for d in fitted[:16]} == {
+        (kind, language) for kind in ("complaint", "meeting_notes", "filing") for language in ("zh", "en")
     }
-    assert six == set(SIX_BIT_PARTS)
-    assert held_bytes(MIXED6_PARTS, list(costs), 64) == budget
-    assert bytes_ratio(MIXED6_PARTS, 24, 64, kv_heads=2) == pytest.approx(bytes_ratio(MIXED, 24, 64))
