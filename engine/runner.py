@@ -151,8 +151,9 @@ class ModelRunner:
             self.layers, [(row, h) for row, h in zip(tap_rows, sampling, strict=True) if h is not None]
         )
         heads: list[torch.Tensor] = []  # the head's input (1, S, H), when a row asks for exact logits
+        tap_head = None
         if exact:
-            hooks.handles.append(self.head.register_forward_hook(lambda _m, args, _o: heads.append(args[0])))
+            tap_head = self.head.register_forward_hook(lambda _m, args, _o: heads.append(args[0]))
         try:
             out = self.model(
                 input_ids=torch.tensor([ids], device=self.device),  # (1, T)
@@ -163,6 +164,8 @@ class ModelRunner:
             )
         finally:
             hooks.remove()
+            if tap_head is not None:
+                tap_head.remove()
         if scores is not None:
             scores.update({observed[start]: value.cpu() for start, value in step_scores.items()})
         logits: torch.Tensor = out.logits[0].float()  # (S, V): one row per sampling chunk
