@@ -142,7 +142,7 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("bench/results/engine-steps.json"))
     args = parser.parse_args()
-    kv_bits, kv_reader, int8_layers, int6_layers, int6_parts = PROFILES[args.kv_profile]
+    kv_bits, kv_reader, int8_layers, int6_layers, int6_parts, prompt_tokens = PROFILES[args.kv_profile]
     console = Console(width=160)
     loaded = load_model(common.model_path(args.model), dtype="bfloat16")
     prompts = load_prompts(loaded.tokenizer, args.docs)
@@ -155,7 +155,7 @@ def main() -> None:
         run = engine_run(loaded, prompts, args.new_tokens, [0.0] * len(prompts), True, args.max_batch,
                          args.step_tokens, True, 1 << 30, kv_bits=kv_bits, kv_kernel=kernel,
                          kv_int8_layers=int8_layers, kv_int6_layers=int6_layers, kv_int6_parts=int6_parts,
-                         decode_defer_steps=args.decode_defer,
+                         kv_prompt_tokens=prompt_tokens, decode_defer_steps=args.decode_defer,
                          speculative_tokens=args.speculative_tokens,
                          speculative_step_tokens=args.speculative_step_tokens)  # fmt: skip
     finally:

@@ -213,6 +213,7 @@ def engine_run(
     speculative_step_tokens: int | None = None,
     kv_int6_layers: tuple[int, ...] = (),
     kv_int6_parts: tuple[str, ...] = (),
+    kv_prompt_tokens: int = 0,
 ) -> Run:
     async def go() -> Run:
         drafts = common.given(
@@ -223,7 +224,7 @@ def engine_run(
             kv_cache_bytes=kv_cache_bytes, max_tokens_per_step=budget, prefix_caching=prefix_caching,
             kv_compression=kv_bits < 16, kv_quant_bits=kv_bits, kv_kernel=kv_kernel,
             kv_int8_layers=kv_int8_layers, kv_int6_layers=kv_int6_layers,
-            kv_int6_parts=kv_int6_parts, decode_defer_steps=decode_defer_steps,
+            kv_int6_parts=kv_int6_parts, kv_prompt_tokens=kv_prompt_tokens, decode_defer_steps=decode_defer_steps,
             prompt_attention=prompt_attention, saturated_tokens_per_step=saturated_tokens_per_step, **drafts,
         )  # fmt: skip
         engine = Engine(config, loaded)

@@ -31,7 +31,7 @@ import json
 import platform
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from rich.console import Console
@@ -45,18 +45,29 @@ from bench.kv_quality import load_corpus
 from engine.config import KVKernel
 from engine.loader import load_model
 
-# KV bits (16: uncompressed), reader, layers kept at 8 bits, layers kept at 6 bits, parts kept at 6 bits
-PROFILES: dict[str, tuple[int, KVKernel, tuple[int, ...], tuple[int, ...], tuple[str, ...]]] = {
-    "off": (16, "auto", (), (), ()),
-    "int8": (8, "auto", (), (), ()),
-    "int4": (4, "auto", (), (), ()),
-    "int4+int8@5": (4, "auto", SENSITIVE, (), ()),  # bench.kv_quality's profile of that name
-    "int4+int8@5-avx2": (4, "avx2", SENSITIVE, (), ()),  # the kernel's AVX2 path (CPUs without AVX-512)
-    "int4+int8@5-portable": (4, "portable", SENSITIVE, (), ()),  # its portable loop (no vector path)
-    "int4+int6@10": (4, "auto", (), SIX_BIT_LAYERS, ()),  # the same bytes, 6 bits in ten layers
-    "int4+int6@40parts": (4, "auto", (), (), SIX_BIT_PARTS),  # the same bytes, 6 bits in forty parts
-    "int8-torch": (8, "torch", (), (), ()),
-    "int4-torch": (4, "torch", (), (), ()),
+
+class Profile(NamedTuple):
+    bits: int  # KV bits (16: uncompressed)
+    kernel: KVKernel  # the reader
+    int8_layers: tuple[int, ...] = ()  # layers kept at 8 bits
+    int6_layers: tuple[int, ...] = ()  # layers kept at 6 bits
+    int6_parts: tuple[str, ...] = ()  # parts kept at 6 bits
+    prompt_tokens: int = 0  # KV_PROMPT_TOKENS: full-precision room for prompts being read
+
+
+PROFILES: dict[str, Profile] = {
+    "off": Profile(16, "auto"),
+    "int8": Profile(8, "auto"),
+    "int4": Profile(4, "auto"),
+    "int4+int8@5": Profile(4, "auto", SENSITIVE),  # bench.kv_quality's profile of that name
+    "int4+int8@5-avx2": Profile(4, "avx2", SENSITIVE),  # the kernel's AVX2 path (CPUs without AVX-512)
+    "int4+int8@5-portable": Profile(4, "portable", SENSITIVE),  # its portable loop (no vector path)
+    "int4+int6@10": Profile(4, "auto", (), SIX_BIT_LAYERS),  # the same bytes, 6 bits in ten layers
+    "int4+int6@40parts": Profile(4, "auto", (), (), SIX_BIT_PARTS),  # the same bytes, 6 bits in forty parts
+    # the forty parts, prompts read over a full-precision history (bench.kv_quality's -prompts2k)
+    "int4+int6@40parts-prompts2k": Profile(4, "auto", (), (), SIX_BIT_PARTS, 2048),
+    "int8-torch": Profile(8, "torch"),
+    "int4-torch": Profile(4, "torch"),
 }
 DEFAULT_PROFILES = "off,int8,int4,int8-torch"
 
@@ -115,13 +126,13 @@ def main() -> None:
     try:
         for round_ in range(args.rounds):
             for name in rotated(names, round_):
-                bits, kernel, int8_layers, int6_layers, int6_parts = PROFILES[name]
+                bits, kernel, int8_layers, int6_layers, int6_parts, prompt_tokens = PROFILES[name]
                 timers.reset()
                 timers.active = True
                 run = engine_run(
                     loaded, prompts, args.new_tokens, at, True, args.max_batch, args.step_tokens,
                     args.prefix_caching, args.pool_mib << 20, bits, kernel, int8_layers,
-                    kv_int6_layers=int6_layers, kv_int6_parts=int6_parts,
+                    kv_int6_layers=int6_layers, kv_int6_parts=int6_parts, kv_prompt_tokens=prompt_tokens,
                 )  # fmt: skip
                 timers.active = False
                 steps, products = timers.total("whole step"), timers.total("weights' products")

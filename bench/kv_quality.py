@@ -7,7 +7,8 @@ For every profile, on the documents of bench/data/kv-corpus.jsonl (zh/en, three 
     at once, the same batch size for every profile): tokens/s, p50/p95 latency, valid JSON;
   * KV bytes per token: what the pool holds for a document at its last step (its block table,
     full-precision and quantised blocks, exact bytes, all layers) over the tokens it holds, as a
-    ratio to bf16; and how many 2,000-character documents fit a fixed pool at that size;
+    ratio to bf16; and how many 2,000-character documents fit a fixed pool at that size (less the
+    full-precision room a profile keeps for prompts being read, KV_PROMPT_TOKENS);
   * teacher-forced pass (every profile, the uncompressed one first): the document's prompt, then
     the uncompressed profile's output token by token (its first --tf-tokens); the uncompressed
     profile's own pass records the reference distributions (top-k per position), every other
@@ -98,6 +99,15 @@ PROFILES: dict[str, dict[str, Any]] = {
         "kv_quant_bits": 4,
         "kv_int6_parts": SIX_BIT_PARTS,
         "kv_residual_tokens": 0,
+    },
+    # The forty parts, prompts read over a full-precision history (2,048 tokens of room in the pool)
+    # and quantised once they decode: what is read at a prompt's end sees no quantisation.
+    "int4+int6@40parts-w0-prompts2k": {
+        "kv_compression": True,
+        "kv_quant_bits": 4,
+        "kv_int6_parts": SIX_BIT_PARTS,
+        "kv_residual_tokens": 0,
+        "kv_prompt_tokens": 2048,
     },
     # The same bytes, the forty parts allocated along the service's answers (SIX_BIT_PARTS_ANSWERS).
     "int4+int6@40answers-w0": {
@@ -291,7 +301,7 @@ Baseline = tuple[list[DocResult], Reference]
 def reference_key(args: Any, loaded: LoadedModel, docs: list[dict[str, Any]]) -> dict[str, Any]:
     """What an uncompressed run must share with this one to stand as its reference."""
     return {
-        "model": str(args.model), "dtype": str(loaded.dtype), "torch": torch.__version__,
+        "model": str(args.model), "dtype": str(loaded.dtype), "torch": str(torch.__version__),
         "documents": [d["document_id"] for d in docs], "max_batch": args.max_batch,
         "pool_mib": args.pool_mib, "top_k": args.top_k, "tf_tokens": args.tf_tokens,
         "prefix_caching": args.prefix_caching,
@@ -357,7 +367,9 @@ async def run_profile(
         "kv_ratio_median": statistics.median(ratios) if ratios else float("nan"),
         "kv_ratio_max": max(ratios) if ratios else float("nan"),
         "bytes_per_long_doc": statistics.median(long_docs) if long_docs else float("nan"),
-        "fit_2000_char_docs": int((args.fit_pool_mib << 20) // statistics.median(long_docs)) if long_docs else 0,
+        # the pool less the full-precision room kept for prompts being read (KV_PROMPT_TOKENS)
+        "fit_2000_char_docs": int(((args.fit_pool_mib << 20) - config.kv_prompt_tokens * bf16)
+                                  // statistics.median(long_docs)) if long_docs else 0,
         "tok_s": sum(len(r.output_ids) for r in results) / wall, "wall_s": wall,
         "p50_s": _pct([r.latency_s for r in results], 50), "p95_s": _pct([r.latency_s for r in results], 95),
         "preemptions": preemptions,

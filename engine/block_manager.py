@@ -16,7 +16,8 @@ KV compression adds a second kind of block: ids `[0, num_blocks)` are full-preci
 blocks, where every new token is written; ids from `num_blocks` on are quantised ("cold") blocks.
 `settle` moves a full block from hot to cold, in the table of every sequence that uses it (a
 shared prefix block too: left hot, every sharer would pin it for as long as any of them runs); the
-caller copies the contents. A prefix registration moves with its block.
+caller copies the contents. A prefix registration moves with its block, or stays with the freed
+full-precision copy where prompts are read in full precision (KV_PROMPT_TOKENS).
 """
 
 from __future__ import annotations
@@ -115,23 +116,26 @@ class BlockManager:
         self._release(table[keep:])
         del table[keep:]
 
-    def settle(self, hot: int, holders: Sequence[tuple[int, int]]) -> int | None:
+    def settle(self, hot: int, holders: Sequence[tuple[int, int]], keep_prefix: bool = False) -> int | None:
         """Moves hot block `hot` to a cold block in the tables of `holders` ((sequence, index) of
         every sequence using it) if a cold block is free; returns the cold block for the caller to
-        copy into, else None (also when `holders` does not name every user)."""
+        copy into, else None (also when `holders` does not name every user). A prefix registration
+        moves with the block; with `keep_prefix` it stays with the full-precision copy, which waits
+        among the cached free blocks, so that a prompt adopting the prefix later reads it in full
+        precision (until the copy is evicted: then the prefix is computed again)."""
         if hot >= self.num_blocks or self._refs[hot] != len(holders) or not holders or not self._free_cold:
             return None
         cold = self._take(self._free_cold)
         self._refs[cold] = len(holders)
         for seq_id, index in holders:
             self._tables[seq_id][index] = cold
-        key = self._key_of.pop(hot, None)
-        if key is not None:
+        if not keep_prefix and (key := self._key_of.pop(hot, None)) is not None:
             self._cached[key] = cold
             self._key_of[cold] = key
         self._refs[hot] = 0
         self._free[hot] = None
-        self._free.move_to_end(hot, last=False)
+        if hot not in self._key_of:  # unregistered blocks are reused first, cached ones last
+            self._free.move_to_end(hot, last=False)
         return cold
 
     def adopt_prefix(self, seq_id: int, token_ids: Sequence[int], keys: list[bytes] | None = None) -> int:

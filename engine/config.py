@@ -62,6 +62,17 @@ class EngineOptions(BaseModel):
         default=False, description="Rotate keys and values by a Hadamard matrix before quantising them."
     )
     kv_sink_tokens: int = Field(default=4, ge=0, le=1024, description="First tokens kept full precision.")
+    kv_prompt_tokens: int = Field(
+        default=0,
+        ge=0,
+        le=65536,
+        description="With quantised KV: full-precision room, in tokens, for prompts being read: a prompt is "
+        "read over a full-precision history (as KIVI reads prompts) and its blocks quantised once it "
+        "decodes, so what is read at its end (label scores, a probe's state, the first token) sees no "
+        "quantisation; while the room is short (a step's tokens and a block per request left) prompts "
+        "are read over quantised blocks as without it. Costs these tokens at full precision in the "
+        "pool; 0: off.",
+    )
     kv_keep_ratio: float = Field(default=1.0, gt=0, le=1, description="Share of each prompt kept (pruning).")
     kv_prune_policy: PrunePolicy = "attention"  # SnapKV-style scores, or the article's heuristic
     kv_observe_tokens: int = Field(default=32, ge=1, le=1024, description="Observation window when pruning.")

@@ -105,12 +105,16 @@ class CompressionConfig:
     keep_ratio: float = 1.0
     observe_tokens: int = 32  # the observation window that scores (and is kept) when pruning
     policy: PrunePolicy = "attention"
+    prompts_full_precision: bool = False  # a prompt's blocks are quantised once it decodes...
+    reserve_blocks: int = 0  # ...while more full-precision blocks than this (and one per sequence) are free
 
     @classmethod
     def of(cls, config: EngineConfig) -> CompressionConfig:
+        step = max(config.max_tokens_per_step, config.saturated_budget)
         return cls(
             config.quantising, config.kv_residual_tokens, config.kv_sink_tokens, config.pruning,
             config.kv_keep_ratio, config.kv_observe_tokens, config.kv_prune_policy,
+            config.kv_prompt_tokens > 0, -(-step // config.block_size),
         )  # fmt: skip
 
     @property
@@ -180,16 +184,22 @@ class Compressor:
 
     def _settle(self, running: list[Sequence]) -> list[tuple[int, int]]:
         """Moves full blocks that left the recent-token window to quantised storage while quantised
-        blocks are free: the (full-precision, quantised) pairs to copy. Sink blocks stay."""
+        blocks are free: the (full-precision, quantised) pairs to copy. Sink blocks stay; so do the
+        blocks of a prompt being read, with `prompts_full_precision` (KV_PROMPT_TOKENS), while the pool
+        has room for a step and a block per sequence beyond them (else they go too: the pool must
+        never hold up the requests it serves)."""
         moves: list[tuple[int, int]] = []
         if not self.blocks.num_cold_blocks:
             return moves
+        reading = self.config.prompts_full_precision and (
+            self.blocks.num_free >= self.config.reserve_blocks + len(running)
+        )
         holders: dict[int, list[tuple[int, int]]] = {}  # hot block -> (sequence, index) of each user
         in_window: set[int] = set()  # hot blocks some user still needs in full precision
         for seq in running:
             table = self.blocks.table(seq.seq_id)
-            if self.wants_pruning(seq):
-                limit = 0  # its prompt is still read in full precision, to be scored and pruned
+            if self.wants_pruning(seq) or (reading and not seq.is_decoding):
+                limit = 0  # its prompt is still read in full precision (to be scored and pruned)
             else:
                 limit = (seq.num_cached - self.config.residual_tokens) // self.blocks.block_size
             first = max(seq.num_settled_blocks, self.sink_blocks)
@@ -202,7 +212,8 @@ class Compressor:
         for block, where in holders.items():
             if not self.blocks.num_free_cold:
                 break
-            if block not in in_window and (cold := self.blocks.settle(block, where)) is not None:
+            keep = self.config.prompts_full_precision  # new prompts adopt the full-precision copy
+            if block not in in_window and (cold := self.blocks.settle(block, where, keep)) is not None:
                 moves.append((block, cold))
         for seq in running:  # skip what is settled; a block still hot is looked at again
             table = self.blocks.table(seq.seq_id)
@@ -230,7 +241,8 @@ def build_cache(config: EngineConfig, shape: KVShape, device: torch.device, max_
     """The pool. Its size: KV_CACHE_BYTES when set; else what the batch can use, every running
     sequence at `max_len` tokens, within a share of free memory. Uncompressed: all full-precision
     blocks. Compressed: enough full-precision blocks for every running sequence's sinks, recent
-    window and one step's prompt chunk, the rest as quantised blocks. On a CPU the native kernel
+    window and one step's prompt chunk (and KV_PROMPT_TOKENS for prompts being read), the rest as
+    quantised blocks. On a CPU the native kernel
     reads quantised blocks, and attends decodes in place where its build does that faster than
     torch's gathered path (`NativeKernel.attends_faster`), and bf16 prompt chunks where its build
     can (`NativeKernel.prompt_isa`) unless PROMPT_ATTENTION=torch."""
@@ -256,6 +268,7 @@ def build_cache(config: EngineConfig, shape: KVShape, device: torch.device, max_
     hot_needed = config.effective_batch_size * per_seq + -(-step // size)
     if config.pruning:  # prompts stay full precision until they are scored: room for a few long ones
         hot_needed += -(-4096 // size)
+    hot_needed += -(-config.kv_prompt_tokens // size)  # prompts read over a full-precision history
     hot = min(max(1, cap // hot_bytes), hot_needed)
     cold = max(0, cap - hot * hot_bytes) // ColdStore.bytes_per_block(shape, fmt, size)
     if usable is not None:

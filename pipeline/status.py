@@ -23,6 +23,7 @@ def status_report(service: Service) -> dict[str, Any]:
             "int6_parts": list(config.kv_int6_parts) if stats.kv_quant_bits == 4 else [],
             "residual_tokens": config.kv_residual_tokens,
             "sink_tokens": config.kv_sink_tokens,
+            "prompt_tokens": config.kv_prompt_tokens,
             "keep_ratio": config.kv_keep_ratio,
             "prune_policy": config.kv_prune_policy,
             "reader": stats.kv_reader,

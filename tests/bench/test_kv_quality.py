@@ -4,6 +4,7 @@ be ignored by the configuration, and the profile would silently run uncompressed
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -13,6 +14,7 @@ from bench.kv_quality import (
     Reference,
     load_reference,
     real_documents,
+    reference_key,
     save_reference,
 )
 from bench.real_data import Labelled
@@ -41,10 +43,15 @@ def test_real_documents_take_an_equal_evenly_spaced_share_of_each_language_and_l
 
 
 def test_a_saved_reference_comes_back_whole_only_under_the_key_it_was_made_with(tmp_path: Path) -> None:
+    """The key is the benchmark's own (torch's version as a plain string: the safe loader refuses
+    its TorchVersion class, and every cached reference failed to load back)."""
     result = DocResult("d", "complaint", "zh", 3, "negative", 10, [1, 2, 3], 1.0, 0.5, True,
                        {"sentiment": {"polarity": "negative"}}, 100, 10, kl=[0.1], top1=[True])  # fmt: skip
     ids, logp = torch.arange(12, dtype=torch.int32).view(3, 4), torch.randn(3, 4)
-    key = {"model": "m", "dtype": "torch.bfloat16", "documents": ["d"], "tf_tokens": 2}
+    args = SimpleNamespace(
+        model="m", max_batch=4, pool_mib=64, top_k=8, tf_tokens=2, prefix_caching=True, forced=True
+    )
+    key = reference_key(args, SimpleNamespace(dtype=torch.bfloat16), [{"document_id": "d"}])  # type: ignore[arg-type]
     path = tmp_path / "ref.pt"
     save_reference(path, key, ([result], Reference([ids], [logp])), {"profile": "off"})
     loaded = load_reference(path, key)
@@ -52,7 +59,7 @@ def test_a_saved_reference_comes_back_whole_only_under_the_key_it_was_made_with(
     (results, ref), summary = loaded
     assert results == [result] and summary == {"profile": "off"}
     assert torch.equal(ref.ids[0], ids[:2]) and torch.equal(ref.logp[0], logp[:2])  # the forced length
-    assert load_reference(path, key | {"dtype": "torch.float32"}) is None
+    assert load_reference(path, key | {"dtype": str(torch.float32)}) is None
     assert load_reference(tmp_path / "none.pt", key) is None
 
 

@@ -650,3 +650,44 @@ async def test_attention_pruning_with_int4_blocks_holds_a_fraction_of_the_bytes(
     assert all(len(o) == 24 for o in outputs)
     # fp32 tiny model: int4 blocks take 224 of 512 bytes a token; half the prompt is gone
     assert min(ratios) < 0.4
+
+
+async def test_a_prompt_read_in_full_precision_ends_as_uncompressed_then_decodes_over_quantised_blocks(
+    tiny: LoadedModel,
+) -> None:
+    """KV_PROMPT_TOKENS: a prompt of several steps' chunks is read over its full-precision
+    history, so the logits at its end (where labels are scored and the first token sampled) are
+    the uncompressed engine's exactly; without it the chunks after the first read quantised blocks
+    and the end differs. Decoding reads quantised blocks either way: later rows differ, and the
+    pool holds fewer bytes than uncompressed once the sequence decodes."""
+    prompt_text = "the refund was promised twice and never came; " * 6
+
+    async def rows(**options: object) -> tuple[list[torch.Tensor], float]:
+        config = EngineConfig(
+            model_path=Path("unused"), dtype="float32", kv_cache_bytes=1 << 22, block_size=4,
+            max_tokens_per_step=16, prefix_caching=False, **options,  # type: ignore[arg-type]
+        )  # fmt: skip
+        ratios: list[float] = []
+        async with Engine(config, tiny) as engine:
+            ids = engine.format_chat([{"role": "user", "content": prompt_text}])
+            assert len(ids) > 3 * config.max_tokens_per_step
+
+            async def watch() -> None:
+                while True:
+                    if (stats := engine.stats()).kv_tokens:
+                        ratios.append(stats.kv_ratio)
+                    await asyncio.sleep(0)
+
+            watcher = asyncio.create_task(watch())
+            observed = await engine.observe(ids, SamplingParams(max_new_tokens=12, ignore_eos=True))
+            watcher.cancel()
+        return observed, min(ratios)
+
+    int4 = {"kv_compression": True, "kv_quant_bits": 4, "kv_residual_tokens": 0, "kv_sink_tokens": 0}
+    plain, _ = await rows()
+    quantised, _ = await rows(**int4)
+    read_whole, ratio = await rows(**int4, kv_prompt_tokens=256)
+    assert torch.equal(read_whole[0], plain[0])
+    assert not torch.equal(quantised[0], plain[0])
+    assert any(not torch.equal(a, b) for a, b in zip(read_whole[1:], plain[1:], strict=True))
+    assert ratio < 0.6

@@ -86,13 +86,58 @@ def test_a_shared_prefix_block_moves_to_quantised_storage_once_out_of_every_shar
         loop.close()
 
 
-@pytest.mark.parametrize(("cold", "window", "sinks"), [(0, 8, 1), (48, 8, 1), (48, 0, 0)])
+def test_prompts_read_in_full_precision_adopt_a_settled_prefix_from_its_full_precision_copy() -> None:
+    """KV_PROMPT_TOKENS: a running sequence's prefix blocks are quantised once it decodes, and the
+    prefix registration stays with their freed full-precision copies (cached, evicted last), so a
+    later prompt with the same prefix reads it in full precision; once a copy is evicted, the
+    prefix from there on is computed again, never read from a block that now holds other tokens."""
+    loop = asyncio.new_event_loop()
+    try:
+        size = 4
+        blocks = BlockManager(num_blocks=12, block_size=size, num_cold_blocks=12)
+        scheduler = Scheduler(SchedulerConfig(max_running=3, max_tokens_per_step=32), blocks)
+        config = CompressionConfig(
+            quantising=True, residual_tokens=0, sink_tokens=0, prompts_full_precision=True
+        )
+        compressor = Compressor(config, blocks, str)
+        head = list(range(100, 116))  # 4 blocks of shared instructions
+        first = make_sequence(0, [*head, 1], 10, loop)
+        scheduler.add(first)
+        for chunk in scheduler.schedule(admit=True):
+            scheduler.computed(chunk)
+            chunk.seq.token_ids.append(7)  # decoding now
+        hot = blocks.table(0)[:4]
+        moves = dict(compressor.moves(scheduler.running).settle)
+        assert set(moves) == set(hot) and all(blocks.is_cold(b) for b in blocks.table(0)[:4])
+        second = make_sequence(1, [*head, 2], 10, loop)
+        scheduler.add(second)
+        plan = scheduler.schedule(admit=True)
+        assert blocks.table(1)[:4] == hot, "the full-precision copies, not the quantised blocks"
+        assert [(c.seq.seq_id, c.start) for c in plan if c.seq is second] == [(1, 16)]
+        scheduler.finish(second)
+        scheduler.finish(first)
+        blocks.allocate(99, blocks.num_blocks * size)  # another sequence takes every block: evicted
+        blocks.free(99)
+        third = make_sequence(2, [*head, 3], 10, loop)
+        scheduler.add(third)
+        plan = scheduler.schedule(admit=True)
+        assert [(c.seq.seq_id, c.start) for c in plan] == [(2, 0)], "evicted: computed again"
+    finally:
+        loop.close()
+
+
+@pytest.mark.parametrize(
+    ("cold", "window", "sinks", "prompts"),
+    [(0, 8, 1, False), (48, 8, 1, False), (48, 0, 0, False), (48, 0, 0, True)],
+)
 @pytest.mark.parametrize("seed", range(3))
 def test_random_load_with_cancellations_pool_exhaustion_and_shared_prefixes(
-    seed: int, cold: int, window: int, sinks: int
+    seed: int, cold: int, window: int, sinks: int, prompts: bool
 ) -> None:
     """With `cold` quantised blocks, full blocks also move there once out of the recent window of
-    `window` tokens, past `sinks` sink blocks (none and none: every full block, at once)."""
+    `window` tokens, past `sinks` sink blocks (none and none: every full block, at once). With
+    `prompts` (KV_PROMPT_TOKENS) no block a prompt being read holds moves while the pool
+    has room for a step and a block per sequence; without room they move, and nothing deadlocks."""
     rng = random.Random(seed)
     loop = asyncio.new_event_loop()
     try:
@@ -115,8 +160,10 @@ def test_random_load_with_cancellations_pool_exhaustion_and_shared_prefixes(
         scheduler = Scheduler(config, blocks, draft if seed % 2 == 0 else None)
         drafted = 0
         compression = CompressionConfig(
-            quantising=True, residual_tokens=window, sink_tokens=sinks * block_size
-        )
+            quantising=True, residual_tokens=window, sink_tokens=sinks * block_size,
+            prompts_full_precision=prompts, reserve_blocks=2,
+        )  # fmt: skip
+        pressed = 0  # steps where prompt blocks moved for want of room
         compressor = Compressor(compression, blocks, str)
         # Prompts start with one of three instructions (or part of one), then their own tokens.
         instructions = [[rng.randrange(50) for _ in range(rng.randint(10, 60))] for _ in range(3)]
@@ -145,11 +192,16 @@ def test_random_load_with_cancellations_pool_exhaustion_and_shared_prefixes(
             budget = scheduler.budget  # what this step may carry (larger while saturated)
             assert budget in (config.max_tokens_per_step, config.saturated_tokens_per_step)
             plan = scheduler.schedule(admit=rng.random() < 0.8)
+            room = blocks.num_free >= compression.reserve_blocks + len(scheduler.running)
             for hot, moved in compressor.moves(scheduler.running).settle:  # the runner: copy, then compute
                 settled += 1
                 assert blocks.is_cold(moved) and not blocks.is_cold(hot)
                 holders = [s for s in scheduler.running if moved in blocks.table(s.seq_id)]
                 settled_shared += len(holders) > 1
+                if prompts:
+                    reading = any(not s.is_decoding for s in holders)
+                    assert not (room and reading), "a prompt being read lost a block with room to spare"
+                    pressed += reading
                 for s in holders:  # never a sink, never in the recent window of anyone holding it
                     index = blocks.table(s.seq_id).index(moved)
                     assert (
@@ -218,6 +270,8 @@ def test_random_load_with_cancellations_pool_exhaustion_and_shared_prefixes(
         if cold and config.max_running > 1:  # adopted prefixes, too, move once out of every window
             assert settled_shared > 0
         assert list(finished.values()).count("done") > 500
+        if prompts and config.max_running > 1:  # 16 full-precision blocks: prompts read together run short
+            assert pressed > 0
         assert blocks.num_cache_hits > 100, "shared prefixes should have been reused"
         if config.max_running > 1 and window:  # with none, every full block leaves the pool at once
             assert scheduler.num_preemptions > 0, "the pool should have run out at some point"

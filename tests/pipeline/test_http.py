@@ -76,6 +76,7 @@ async def test_kv_compression_switch_changes_status_and_the_engines_memory(
     assert status["kv_compression"] is (kv == "true")
     if kv == "true":
         profile = {"quant_bits": 8, "residual_tokens": 32, "sink_tokens": 4, "keep_ratio": 1.0}
+        profile |= {"prompt_tokens": 0}  # KV_PROMPT_TOKENS: no full-precision room for prompts
         # KV_INT8_LAYERS, KV_INT6_LAYERS and KV_INT6_PARTS only matter at 4 bits
         profile |= {"int8_layers": [], "int6_layers": [], "int6_parts": []}
         reader = status["kv_profile"].pop("reader")
