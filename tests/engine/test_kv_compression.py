@@ -422,6 +422,18 @@ def tiny(test_device: torch.device) -> LoadedModel:
     return build_tiny("qwen2", device=test_device)
 
 
+def watch_ratios(engine: Engine, ratios: list[float]) -> asyncio.Task[None]:
+    """A task recording the pool's bytes-held ratio at every turn of the loop until cancelled."""
+
+    async def watch() -> None:
+        while True:
+            if (stats := engine.stats()).kv_tokens:
+                ratios.append(stats.kv_ratio)
+            await asyncio.sleep(0)
+
+    return asyncio.create_task(watch())
+
+
 async def run(tiny: LoadedModel, **options: object) -> tuple[list[list[int]], list[float]]:
     config = EngineConfig(
         model_path=Path("unused"), dtype="float32", kv_cache_bytes=1 << 22, dynamic_batching=True,
@@ -435,13 +447,7 @@ async def run(tiny: LoadedModel, **options: object) -> tuple[list[list[int]], li
             for i in range(5)
         ]
 
-        async def watch() -> None:
-            while True:
-                if (stats := engine.stats()).kv_tokens:
-                    ratios.append(stats.kv_ratio)
-                await asyncio.sleep(0)
-
-        watcher = asyncio.create_task(watch())
+        watcher = watch_ratios(engine, ratios)
         params = SamplingParams(max_new_tokens=24, ignore_eos=True)
         results = await asyncio.gather(*(engine.generate(i, params) for i in ids))
         watcher.cancel()
@@ -671,14 +677,7 @@ async def test_a_prompt_read_in_full_precision_ends_as_uncompressed_then_decodes
         async with Engine(config, tiny) as engine:
             ids = engine.format_chat([{"role": "user", "content": prompt_text}])
             assert len(ids) > 3 * config.max_tokens_per_step
-
-            async def watch() -> None:
-                while True:
-                    if (stats := engine.stats()).kv_tokens:
-                        ratios.append(stats.kv_ratio)
-                    await asyncio.sleep(0)
-
-            watcher = asyncio.create_task(watch())
+            watcher = watch_ratios(engine, ratios)
             observed = await engine.observe(ids, SamplingParams(max_new_tokens=12, ignore_eos=True))
             watcher.cancel()
         return observed, min(ratios)
