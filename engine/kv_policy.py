@@ -209,10 +209,10 @@ class Compressor:
                     holders.setdefault(block, []).append((seq.seq_id, index))
                     if index >= limit:
                         in_window.add(block)
+        keep = self.config.prompts_full_precision  # new prompts adopt the full-precision copy
         for block, where in holders.items():
             if not self.blocks.num_free_cold:
                 break
-            keep = self.config.prompts_full_precision  # new prompts adopt the full-precision copy
             if block not in in_window and (cold := self.blocks.settle(block, where, keep)) is not None:
                 moves.append((block, cold))
         for seq in running:  # skip what is settled; a block still hot is looked at again
