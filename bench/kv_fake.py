@@ -73,6 +73,24 @@ class Format:
     # quantised on their own (per channel over a block, per token), so each head can hold its own
     # bits: the plain quantiser only.
     head_bits: dict[tuple[int, int], tuple[int | None, int | None]] = field(default_factory=dict)
+    # Keys quantised per token over their channels, as values are (QuaRot's layout; with
+    # `rotate_keys` the Hadamard rotation spreads the outlier channels over the token's group first),
+    # not per channel over a block: a scale and an offset per token (4 bytes) instead of per channel
+    # and block (2 x head_dim x 2 / BLOCK: 16 bytes a token at head size 64), which pays for ~1.5
+    # more bits of key codes at the same bytes.
+    keys_per_token: bool = False
+    # With `keys_per_token`: layers whose keys stay per channel over a block all the same (a layer
+    # whose keys carry a large constant per channel, as the default model's layer 0 does from its key
+    # bias, up to ~145 against a channel's spread of ~0.3-40: one token's range is then that offset's).
+    channel_key_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        per_channel_only = self.hot_keys or self.sparse_keys or self.codebook or self.pre_rope_keys
+        if self.keys_per_token and (per_channel_only or self.key_blocks != 1 or self.layer_key_blocks):
+            raise ValueError("keys_per_token takes the plain quantiser, its scales per token")
+
+    def keys_per_token_in(self, layer: int) -> bool:
+        return self.keys_per_token and layer not in self.channel_key_layers
 
     def bits(self, layer: int, head: int | None = None) -> tuple[int | None, int | None]:
         if head is not None and (layer, head) in self.head_bits:
@@ -110,7 +128,11 @@ def bytes_ratio(fmt: Format, layers: int, head_dim: int, dtype_bytes: int = 2, k
     for layer, head in ((layer, head) for layer in range(layers) for head in range(kv_heads)):
         key_bits, value_bits = fmt.bits(layer, head)
         # keys: a scale and an offset per channel and `key_group` blocks; values: per token
-        key_scales = 2 * head_dim * dtype_bytes / (BLOCK * fmt.key_group(layer))
+        key_scales = (
+            2 * dtype_bytes
+            if fmt.keys_per_token_in(layer)
+            else 2 * head_dim * dtype_bytes / (BLOCK * fmt.key_group(layer))
+        )
         if key_bits is not None and key_bits < fmt.hot_key_bits and fmt.hot_keys:
             hot = fmt.hot_keys
             codes = QuantFormat(fmt.hot_key_bits).code_dim(hot) + QuantFormat(key_bits).code_dim(
@@ -271,7 +293,7 @@ def fake_quantise(
     keys: torch.Tensor, values: torch.Tensor, key_bits: int | None, value_bits: int | None,
     rotation: tuple[torch.Tensor | None, torch.Tensor | None], value_clips: tuple[float, ...] = (),
     levels: tuple[torch.Tensor, torch.Tensor] | None = None, hot: tuple[torch.Tensor, int] | None = None,
-    hot_values: torch.Tensor | None = None, sparse: tuple[int, int] = (0, 0),
+    hot_values: torch.Tensor | None = None, sparse: tuple[int, int] = (0, 0), keys_per_token: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """One block's keys and values (block, KV heads, head_dim) as the engine's cold store gives
     them back: (rotated,) quantised by `quantize_keys` / `quantize_values`, dequantised (and
@@ -279,7 +301,8 @@ def fake_quantise(
     those codebooks instead (`codebook_round_trip`); with `hot` (a (KV heads, head_dim) mask, its
     bits), the masked key channels at those bits; with `hot_values` (a mask), those value channels
     kept and the rest quantised per token over themselves; with `sparse` (keys', values' counts),
-    that many `outliers` per KV head kept exact and the rest quantised over themselves."""
+    that many `outliers` per KV head kept exact and the rest quantised over themselves; with
+    `keys_per_token`, keys quantised per token over their (rotated) channels, as values are."""
 
     def dense_and_sparse(x: torch.Tensor, bits: int, count: int, per_channel: bool) -> torch.Tensor:
         dim = 0 if per_channel else -1
@@ -293,9 +316,9 @@ def fake_quantise(
         if levels is not None and bits == 4 and r is None:
             return codebook_round_trip(x, levels[0] if per_channel else levels[1], -3 if per_channel else -1)
         if bits not in (4, 6, 8):
-            if r is not None:
-                raise ValueError(f"{bits}-bit parts are not rotated here")
-            return uniform_round_trip(x, bits, -3 if per_channel else -1)
+            turned = x if r is None else (x.float() @ r).to(x.dtype)
+            back = uniform_round_trip(turned, bits, -3 if per_channel else -1)
+            return back if r is None else (back.float() @ r).to(x.dtype)
         work = x if r is None else (x.float() @ r).to(x.dtype)
         qf = QuantFormat(bits)
         codes, scale, low = (quantize_keys if per_channel else quantize_values)(work, qf)
@@ -314,7 +337,7 @@ def fake_quantise(
     elif key_bits is not None and sparse[0]:
         keys = dense_and_sparse(keys, key_bits, sparse[0], per_channel=True)
     elif key_bits is not None:
-        keys = round_trip(keys, key_bits, rotation[0], per_channel=True)
+        keys = round_trip(keys, key_bits, rotation[0], per_channel=not keys_per_token)
     if value_bits is not None and value_clips:
         if rotation[1] is not None:
             raise ValueError("clipped values are not rotated here")
@@ -412,8 +435,9 @@ def _per_head(
         key_bits, value_bits = fmt.bits(layer, head)
         one = part[:, head : head + 1]
         quantised = fake_quantise(
-            one, one, key_bits if keys else None, None if keys else value_bits, rotation
-        )
+            one, one, key_bits if keys else None, None if keys else value_bits, rotation,
+            keys_per_token=fmt.keys_per_token_in(layer),
+        )  # fmt: skip
         heads.append(quantised[0] if keys else quantised[1])
     return torch.cat(heads, dim=1)
 
@@ -444,8 +468,9 @@ def _requantise(
             part = rope_turn(quantised, cos, sin, 1.0).to(part.dtype)
         elif keys:
             part, _ = fake_quantise(
-                part, part, key_bits, None, rotation, levels=levels, hot=mask, sparse=(fmt.sparse_keys, 0)
-            )
+                part, part, key_bits, None, rotation, levels=levels, hot=mask, sparse=(fmt.sparse_keys, 0),
+                keys_per_token=fmt.keys_per_token_in(layer),
+            )  # fmt: skip
         else:
             _, part = fake_quantise(
                 part, part, None, value_bits, rotation, fmt.value_clips, levels, hot_values=kept,

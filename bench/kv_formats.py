@@ -27,7 +27,9 @@ most in the output kept at full precision, the rest quantised per token over the
 (`hot_values`; neither is a store the engine has yet, both cost bytes, counted), or, per block and
 KV head, a few elements that set their groups' ranges kept exact beside the codes (`sparse_keys`,
 `sparse_values`: KVQuant's dense-and-sparse, the outliers chosen greedily per block; not a store the
-engine has yet, each kept element counted as a value and a 16-bit position). Bytes per token
+engine has yet, each kept element counted as a value and a 16-bit position), or keys quantised per
+token over their (rotated) channels as values are (`keys_per_token`, QuaRot's layout: a scale and an
+offset per token instead of per channel, counted; `channel_key_layers` left per channel). Bytes per token
 are given twice: the cold blocks' exact bytes (codes, scales, offsets) over bf16's, and "counted"
 as `bench.kv_quality` counts a sequence's blocks at its last step (the sink blocks, the window and
 the block being written at full precision; median over the documents, prompt and continuation).
@@ -210,6 +212,20 @@ FORMATS: dict[str, Format] = {
     "int4-w0-sk24": Format(residual=0, sparse_keys=24),
     "int4-w0-sv24": Format(residual=0, sparse_values=24),
     "int4-w0-sk32-sv16": Format(residual=0, sparse_keys=32, sparse_values=16),
+    # Keys per token over their channels, as values are (a 4-byte scale and offset per token instead
+    # of 16 bytes of per-channel scales per token): 6-bit key codes at about int4's bytes, with the
+    # Hadamard rotation that spreads outlier channels over a token's group.
+    "k6tok-rot+v4-w0": Format(key_bits=6, keys_per_token=True, rotate_keys=True, residual=0),
+    # Layer 0's keys per channel all the same: its key bias (up to ~145) sets a token's range there.
+    "k6tok-rot+v4rot-w0-ch0": Format(
+        key_bits=6,
+        keys_per_token=True,
+        channel_key_layers=(0,),
+        rotate_keys=True,
+        rotate_values=True,
+        residual=0,
+    ),
+    "k6tok+v4-w0-ch0": Format(key_bits=6, keys_per_token=True, channel_key_layers=(0,), residual=0),
     "int4+int8@2layers-w0-s16": Format(
         residual=0, sparse_keys=16, sparse_values=16, layer_bits={layer: (8, 8) for layer in (11, 16)}
     ),
@@ -305,6 +321,7 @@ def main() -> None:
         )
     layers = model.config.num_hidden_layers
     head_dim = head_size(model.config)
+    kv_heads = int(model.config.num_key_value_heads)
     results = []
     for name in names:
         fmt, began = FORMATS[name], time.perf_counter()
@@ -317,9 +334,11 @@ def main() -> None:
             # the token greedy decoding would pick is one the reference would pick too (ties count)
             picked = ref.gather(-1, test.argmax(-1, keepdim=True))
             top1.append(float((picked == ref.amax(-1, keepdim=True)).float().mean()))
-        counted = statistics.median(counted_ratio(fmt, layers, head_dim, len(ids)) for ids, _ in seqs)
-        results.append(Result(name, bytes_ratio(fmt, layers, head_dim), counted, statistics.mean(kls), kls,
-                              statistics.mean(top1), time.perf_counter() - began, asdict(fmt)))  # fmt: skip
+        counted = statistics.median(
+            counted_ratio(fmt, layers, head_dim, len(ids), kv_heads) for ids, _ in seqs
+        )
+        results.append(Result(name, bytes_ratio(fmt, layers, head_dim, kv_heads=kv_heads), counted, statistics.mean(kls), kls,
+                              statistics.mean(top1), time.perf_counter() - began, settings(fmt)))  # fmt: skip
         console.print(f"{name}: KL {results[-1].kl_mean:.5f}, bytes {results[-1].bytes_ratio:.3f} cold, "
                       f"{counted:.3f} counted")  # fmt: skip
         write(args, docs, results, codebooks, errors, channels)
@@ -336,6 +355,13 @@ def main() -> None:
         )
     console.print(table)
     console.print(f"wrote {args.out}")
+
+
+def settings(fmt: Format) -> dict[str, Any]:
+    """A format's fields as JSON holds them: per-head bits keyed "layer.head"."""
+    fields = asdict(fmt)
+    fields["head_bits"] = {f"{layer}.{head}": bits for (layer, head), bits in fmt.head_bits.items()}
+    return fields
 
 
 def write(

@@ -295,3 +295,51 @@ def test_a_parts_bytes_are_its_codes_packed_tight_and_its_scales() -> None:
     assert part_bytes(None, 64, keys=True) == 128
     uniform = Format(key_bits=6, value_bits=6)
     assert bytes_ratio(uniform, 24, 64) == pytest.approx((64 + 52) / 256)
+
+
+@pytest.mark.parametrize("bits", [8, 6, 5, 4])
+@pytest.mark.parametrize("rotate", [False, True])
+def test_keys_per_token_are_quantised_as_values_are_and_per_channel_keys_are_not(
+    bits: int, rotate: bool
+) -> None:
+    torch.manual_seed(3)
+    x = torch.randn(16, 2, 64) * torch.linspace(0.1, 4.0, 64)  # channels of unequal range
+    h = hadamard(64) if rotate else None
+    per_token, values = fake_quantise(x, x, bits, bits, (h, h), keys_per_token=True)
+    assert torch.equal(per_token, values)
+    per_channel, _ = fake_quantise(x, x, bits, bits, (h, h))
+    assert not torch.equal(per_channel, per_token)
+
+
+@pytest.mark.parametrize("bits", [5, 3])
+def test_a_rotated_width_the_engine_does_not_store_rounds_the_rotated_tensor_and_turns_it_back(
+    bits: int,
+) -> None:
+    x = torch.randn(16, 2, 64, generator=torch.Generator().manual_seed(4))
+    h = hadamard(64)
+    _, rotated = fake_quantise(x, x, None, bits, (None, h))
+    torch.testing.assert_close(rotated, uniform_round_trip(x @ h, bits, -1) @ h)
+
+
+def test_keys_per_token_cost_a_scale_and_an_offset_per_token_not_per_channel_and_block() -> None:
+    assert bytes_ratio(Format(keys_per_token=True), 24, 64) == pytest.approx((32 + 4 + 32 + 4) / 256)
+    assert bytes_ratio(Format(key_bits=6, value_bits=5, keys_per_token=True), 24, 64) == pytest.approx(
+        (48 + 4 + 40 + 4) / 256
+    )
+    assert bytes_ratio(Format(), 24, 64) == pytest.approx((32 + 16 + 32 + 4) / 256)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"hot_keys": 8}, {"sparse_keys": 4}, {"codebook": True}, {"pre_rope_keys": True}, {"key_blocks": 2}],
+)
+def test_keys_per_token_refuse_the_per_channel_quantisers(settings: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match="keys_per_token"):
+        Format(keys_per_token=True, **settings)  # type: ignore[arg-type]
+
+
+def test_a_layer_whose_keys_stay_per_channel_costs_per_channel_scales_there_only() -> None:
+    fmt = Format(keys_per_token=True, channel_key_layers=(0,))
+    assert fmt.keys_per_token_in(1) and not fmt.keys_per_token_in(0)
+    per_token, per_channel = 32 + 4 + 32 + 4, 32 + 16 + 32 + 4
+    assert bytes_ratio(fmt, 24, 64) == pytest.approx((23 * per_token + per_channel) / 24 / 256)

@@ -3,11 +3,13 @@ the engine's store holds for the same layers, and every named format is one the 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from bench.kv_fake import bytes_ratio
-from bench.kv_formats import FORMATS, MIXED, SENSITIVE
+from bench.kv_formats import FORMATS, MIXED, SENSITIVE, settings
 from engine.kv_cache import ColdStore, KVShape
 from engine.kv_quant import layer_formats
 
@@ -25,3 +27,10 @@ def test_every_named_format_has_bytes_between_none_and_full_precision(name: str)
     ratio = bytes_ratio(FORMATS[name], 24, 64, kv_heads=2)  # the default model's shape
     assert 0 < ratio <= 1
     assert (ratio == 1) == (not FORMATS[name].quantise)
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_every_named_format_s_settings_are_written_as_json(name: str) -> None:
+    written = json.loads(json.dumps(settings(FORMATS[name])))
+    assert written["keys_per_token"] == FORMATS[name].keys_per_token
+    assert len(written["head_bits"]) == len(FORMATS[name].head_bits)
