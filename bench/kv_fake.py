@@ -315,18 +315,17 @@ def fake_quantise(
     def round_trip(x: torch.Tensor, bits: int, r: torch.Tensor | None, per_channel: bool) -> torch.Tensor:
         if levels is not None and bits == 4 and r is None:
             return codebook_round_trip(x, levels[0] if per_channel else levels[1], -3 if per_channel else -1)
-        if bits not in (4, 6, 8):
-            turned = x if r is None else (x.float() @ r).to(x.dtype)
-            back = uniform_round_trip(turned, bits, -3 if per_channel else -1)
-            return back if r is None else (back.float() @ r).to(x.dtype)
         work = x if r is None else (x.float() @ r).to(x.dtype)
-        qf = QuantFormat(bits)
-        codes, scale, low = (quantize_keys if per_channel else quantize_values)(work, qf)
-        if per_channel:  # scale (KVH, D) per channel of the block
-            scale, low = scale[None], low[None]
-        else:  # (block, KVH) per token
-            scale, low = scale[..., None], low[..., None]
-        out = unpack(codes, qf).float() * scale.float() + low.float()
+        if bits not in (4, 6, 8):  # a width only the search holds
+            out = uniform_round_trip(work, bits, -3 if per_channel else -1).float()
+        else:
+            qf = QuantFormat(bits)
+            codes, scale, low = (quantize_keys if per_channel else quantize_values)(work, qf)
+            if per_channel:  # scale (KVH, D) per channel of the block
+                scale, low = scale[None], low[None]
+            else:  # (block, KVH) per token
+                scale, low = scale[..., None], low[..., None]
+            out = unpack(codes, qf).float() * scale.float() + low.float()
         return (out if r is None else out @ r).to(x.dtype)
 
     if key_bits is not None and hot is not None and hot[1] > key_bits:

@@ -334,11 +334,12 @@ def main() -> None:
             # the token greedy decoding would pick is one the reference would pick too (ties count)
             picked = ref.gather(-1, test.argmax(-1, keepdim=True))
             top1.append(float((picked == ref.amax(-1, keepdim=True)).float().mean()))
+        cold = bytes_ratio(fmt, layers, head_dim, kv_heads=kv_heads)
         counted = statistics.median(
             counted_ratio(fmt, layers, head_dim, len(ids), kv_heads) for ids, _ in seqs
         )
-        results.append(Result(name, bytes_ratio(fmt, layers, head_dim, kv_heads=kv_heads), counted, statistics.mean(kls), kls,
-                              statistics.mean(top1), time.perf_counter() - began, settings(fmt)))  # fmt: skip
+        results.append(Result(name, cold, counted, statistics.mean(kls), kls, statistics.mean(top1),
+                              time.perf_counter() - began, settings(fmt)))  # fmt: skip
         console.print(f"{name}: KL {results[-1].kl_mean:.5f}, bytes {results[-1].bytes_ratio:.3f} cold, "
                       f"{counted:.3f} counted")  # fmt: skip
         write(args, docs, results, codebooks, errors, channels)
